@@ -1,0 +1,181 @@
+"""The run session: one notebook's run mode, label, profile, device, seed, environment, records.
+
+    session = trainmech.session.start(RUN_MODE, RUN_LABEL, page="Task0", notebook="Task0_training_loop")
+
+`start` refuses a bad run mode or label and the CUDA mode where CUDA is missing (one sentence
+each), seeds every generator, loads the profile, and captures the environment. Records go to
+`$TRAINMECH_RESULTS_DIR` when the runner or the tests set it, else to `results/<label>/`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainmech import profiles, results, workload
+from trainmech.errors import TrainmechError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_ENV = "TRAINMECH_RESULTS_DIR"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # numpy is a dependency; keep seeding robust anyway
+        pass
+
+
+def capture_environment(profile: profiles.Profile, device: torch.device) -> dict[str, Any]:
+    """The record's `environment` group: versions actually imported, device and GPU facts."""
+    import transformers
+
+    try:
+        import accelerate
+
+        accelerate_version = accelerate.__version__
+    except ImportError:
+        accelerate_version = None
+    on_cuda = device.type == "cuda"
+    props = torch.cuda.get_device_properties(device) if on_cuda else None
+    return {
+        "profile_id": profile.profile_id,
+        "run_mode": profile.run_mode,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate_version,
+        "cuda": torch.version.cuda if on_cuda else None,
+        "gpu": props.name if props else None,
+        "gpu_memory_bytes": int(props.total_memory) if props else None,
+        "device": str(device),
+    }
+
+
+@dataclass
+class Session:
+    run_mode: str
+    run_label: str
+    page: str
+    notebook: str
+    profile: profiles.Profile
+    device: torch.device
+    seed: int
+    environment: dict[str, Any]
+    results_dir: Path
+    written: list[Path] = field(default_factory=list)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def workload(self, workload_id: str) -> profiles.Workload:
+        return self.profile.workload(workload_id)
+
+    def build_model(self, model: str | None = None, *, dtype: torch.dtype = torch.float32, **kwargs) -> workload.BuiltModel:
+        """The profile's model (default: the profile's default model) on this session's device."""
+        return workload.build_model(self.profile.model(model), seed=self.seed, dtype=dtype, device=self.device, **kwargs)
+
+    def record(
+        self,
+        semantic_id: str,
+        workload_id: str,
+        *,
+        built: workload.BuiltModel,
+        input_shape: list[int],
+        effective_batch: dict[str, int | None],
+        dtype: str,
+        update_count: int | None = None,
+        candidate: str | None = None,
+        correctness: dict[str, Any] | None = None,
+        resources: dict[str, Any] | None = None,
+        conclusion: dict[str, Any] | None = None,
+        metrics: dict[str, Any] | None = None,
+    ) -> results.Record:
+        """Validate and write one result record; returns it. Unknown values stay None (null)."""
+        conclusion = {"evidence_level": self.profile.evidence_level, **(conclusion or {})}
+        record = results.Record.model_validate(
+            {
+                "identity": {
+                    "semantic_id": semantic_id,
+                    "workload_id": workload_id,
+                    "run_label": self.run_label,
+                    "page": _registry_page(semantic_id, self.page),
+                    "notebook": self.notebook,
+                    "candidate": candidate,
+                },
+                "workload": {
+                    "model_id": built.model_id,
+                    "model_commit": built.model_commit,
+                    "model_weights": built.model_weights,
+                    "tokenizer": workload.tokenizer_identity(),
+                    "input_shape": list(input_shape),
+                    "effective_batch": effective_batch,
+                    "update_count": update_count,
+                    "dtype": dtype,
+                    "seed": self.seed,
+                },
+                "environment": self.environment,
+                "correctness": correctness or {},
+                "resources": resources or {},
+                "conclusion": conclusion,
+                "metrics": metrics or {},
+            }
+        )
+        self.written.append(results.write_record(record, self.results_dir))
+        return record
+
+
+def _registry_page(semantic_id: str, fallback: str) -> str:
+    for e in results.experiments():
+        if e["semantic_id"] == semantic_id:
+            return e["page"]
+    return fallback
+
+
+def start(
+    run_mode: str = "cpu",
+    run_label: str = "local",
+    page: str = "",
+    *,
+    notebook: str | None = None,
+    seed: int = 0,
+    results_dir: str | os.PathLike | None = None,
+) -> Session:
+    """Validate the run parameters and open a session; refuses bad input with one sentence."""
+    profiles.check_mode(run_mode)
+    results.check_label(run_label)
+    profile = profiles.for_mode(run_mode)
+    if profile.device == "cuda" and not torch.cuda.is_available():
+        raise TrainmechError(
+            f"run mode {run_mode} needs a CUDA GPU, but torch {torch.__version__} sees none on this machine; "
+            "use RUN_MODE = 'cpu' here"
+        )
+    device = torch.device("cuda", torch.cuda.current_device()) if profile.device == "cuda" else torch.device("cpu")
+    seed_everything(seed)
+    if device.type == "cpu":
+        # CPU mode is the reference run: same inputs, same outputs, bit for bit.
+        torch.use_deterministic_algorithms(True)
+    if results_dir is None:
+        results_dir = os.environ.get(RESULTS_ENV) or REPO_ROOT / "results" / run_label
+    return Session(
+        run_mode=run_mode,
+        run_label=run_label,
+        page=page,
+        notebook=notebook or page,
+        profile=profile,
+        device=device,
+        seed=seed,
+        environment=capture_environment(profile, device),
+        results_dir=Path(results_dir),
+    )
