@@ -82,6 +82,19 @@ class Session:
     def workload(self, workload_id: str) -> profiles.Workload:
         return self.profile.workload(workload_id)
 
+    def workload_for(self, semantic_id: str, workload_id: str | None = None) -> tuple[str, profiles.Workload]:
+        """(id, workload): the given one, or the profile's first workload serving semantic_id."""
+        if workload_id is not None:
+            return workload_id, self.profile.workload(workload_id)
+        for wid, w in self.profile.workloads.items():
+            if semantic_id in w.experiments:
+                return wid, w
+        raise TrainmechError(f"profile {self.profile.profile_id} has no workload for {semantic_id}")
+
+    def summary(self) -> str:
+        """One line a notebook prints: mode, profile, device, seed (nothing version-dependent)."""
+        return f"run_mode={self.run_mode}  profile={self.profile.profile_id}  device={self.device.type}  seed={self.seed}"
+
     def build_model(self, model: str | None = None, *, dtype: torch.dtype = torch.float32, **kwargs) -> workload.BuiltModel:
         """The profile's model (default: the profile's default model) on this session's device."""
         return workload.build_model(self.profile.model(model), seed=self.seed, dtype=dtype, device=self.device, **kwargs)

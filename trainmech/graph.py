@@ -1,0 +1,43 @@
+"""The autograd graph as data: walk it from a tensor's grad_fn back to the leaves it reaches.
+
+Autograd records, for every non-leaf tensor, the node that made it (`grad_fn`) and that node's
+inputs (`next_functions`). A leaf that requires grad appears as an `AccumulateGrad` node whose
+`.variable` is the leaf itself: the place where backward writes `.grad`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+
+
+def nodes(root: torch.Tensor) -> Iterator[torch.autograd.graph.Node]:
+    """Every node reachable from root.grad_fn, each once, breadth first."""
+    if root.grad_fn is None:
+        return
+    seen, queue = {root.grad_fn}, [root.grad_fn]
+    while queue:
+        node = queue.pop(0)
+        yield node
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+
+
+def reachable_leaves(root: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors (requiring grad) that root depends on: backward will write their .grad."""
+    return [n.variable for n in nodes(root) if hasattr(n, "variable")]
+
+
+def depends_on(root: torch.Tensor, named: dict[str, torch.Tensor]) -> dict[str, bool]:
+    """For each named tensor, whether root's graph reaches it (compared by identity)."""
+    reached = {id(t) for t in reachable_leaves(root)}
+    return {name: id(t) in reached for name, t in named.items()}
+
+
+def node_counts(root: torch.Tensor) -> Counter[str]:
+    """How many graph nodes of each kind (e.g. MmBackward0) root's graph holds."""
+    return Counter(type(n).__name__ for n in nodes(root))
