@@ -16,6 +16,7 @@ trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanic
             (executed notebooks, result records, run.json, REGISTRY.md)
   registry  print the experiment registry with each experiment's evidence status
   lint      check notebook prose against the glossary's writing rules
+  refresh   re-execute the committed notebooks in place (maintainers, before committing)
 
 Examples:
   python -m trainmech run                         # all notebooks, CPU mode, label "local"
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainmech", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh}")
 
     run = sub.add_parser("run", help="execute the notebooks headless", description="Execute the Task notebooks headless with nbclient.")
     run.add_argument("--mode", default="cpu", help="run mode: cpu (default) or TRAIN-CUDA-MECHANISM (needs one CUDA GPU)")
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     reg = sub.add_parser("registry", help="print the registry table from a run's records", description="Render the experiment registry from the records of results/<label>/.")
     reg.add_argument("--label", default="cpu-reference", help="which run under results/ (default: cpu-reference)")
+
+    ref = sub.add_parser("refresh", help="re-execute notebooks in place (maintainers)", description="Re-execute the committed notebooks with their default parameters (CPU) and store the outputs that nbval compares against.")
+    ref.add_argument("--only", nargs="+", metavar="TaskN", help="refresh only these notebooks")
 
     lint = sub.add_parser("lint", help="glossary and prose rules", description="Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.")
     lint.add_argument("--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first")
@@ -77,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise TrainmechError(f"no run labelled {args.label!r} under results/; present: {', '.join(runs) or 'none'}")
             print(results.registry_markdown(results.read_records(folder), args.label), end="")
             return 0
+        if args.command == "refresh":
+            from trainmech import runner
+
+            failed = 0
+            for name, status, error in runner.refresh_in_place(runner.discover(only=args.only)):
+                print(f"{name:<28} {status}" + (f"  {error['ename']}: {error['evalue']}" if error else ""))
+                failed += status != "ok"
+            return 1 if failed else 0
         if args.command == "lint":
             from trainmech import glossary
 

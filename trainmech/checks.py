@@ -49,4 +49,4 @@ def equal(name: str, ours: torch.Tensor, reference: torch.Tensor) -> None:
     if not same:
         n = int((ours != reference).sum()) if ours.shape == reference.shape else -1
         raise ClaimFailed(f"{name}: not bitwise equal ({n} element(s) differ)")
-    print(f"{name:<28} bitwise equal ({ours.numel()} elements)")
+    print(f"{name:<28} bitwise equal ({ours.numel()} element(s))")

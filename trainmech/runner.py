@@ -86,11 +86,14 @@ def execute_notebook(path: Path, out_path: Path, params: dict[str, Any], timeout
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-    nb = inject_parameters(nbformat.read(path, as_version=4), params)
+    try:
+        nb = inject_parameters(nbformat.read(path, as_version=4), params)
+    except ValueError as e:  # no `parameters` cell (TrainmechError), or not a notebook: this one fails
+        return "failed", {"ename": type(e).__name__, "evalue": str(e)[:500], "cell": None}
     client = NotebookClient(
         nb,
-        timeout=int(timeout),
         kernel_name="python3",
+        timeout=int(timeout),
         resources={"metadata": {"path": str(path.parent)}},
     )
     status, error = "ok", None
@@ -102,9 +105,48 @@ def execute_notebook(path: Path, out_path: Path, params: dict[str, Any], timeout
         status, error = "timeout", {"ename": "Timeout", "evalue": f"the notebook ran past {timeout:.0f} s", "cell": None}
     except DeadKernelError as e:
         status, error = "failed", {"ename": "DeadKernelError", "evalue": str(e)[:500], "cell": None}
+    except Exception as e:  # the kernel did not start, a malformed notebook, …: this notebook fails, the run goes on
+        status, error = "failed", {"ename": type(e).__name__, "evalue": str(e)[:500], "cell": None}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out_path)
     return status, error
+
+
+def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[str, str, dict | None]]:
+    """Re-execute notebooks with their own default parameters and write the outputs back.
+
+    This is how the committed notebooks get the outputs of a CPU run that nbval compares
+    against. Records go to a throw-away folder, never into results/. A notebook that fails is
+    left unchanged on disk.
+    """
+    import tempfile
+
+    from nbclient import NotebookClient
+
+    outcomes = []
+    previous_env = os.environ.get(RESULTS_ENV)
+    with tempfile.TemporaryDirectory(prefix="trainmech-refresh-") as scratch:
+        os.environ[RESULTS_ENV] = scratch
+        try:
+            for path in paths:
+                nb = nbformat.read(path, as_version=4)
+                client = NotebookClient(
+                    nb, timeout=int(timeout), kernel_name="python3", record_timing=False,
+                    resources={"metadata": {"path": str(path.parent)}},
+                )
+                try:
+                    client.execute()
+                except Exception as e:  # keep the committed copy when the run fails
+                    outcomes.append((path.stem, "failed", _first_error(nb) or {"ename": type(e).__name__, "evalue": str(e)[:500]}))
+                    continue
+                nbformat.write(nb, path)
+                outcomes.append((path.stem, "ok", None))
+        finally:
+            if previous_env is None:
+                os.environ.pop(RESULTS_ENV, None)
+            else:
+                os.environ[RESULTS_ENV] = previous_env
+    return outcomes
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
