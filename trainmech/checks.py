@@ -36,9 +36,9 @@ def close(name: str, ours: torch.Tensor, reference: torch.Tensor, *, rtol: float
     rtol is relative to the reference's largest magnitude. Returns the max absolute error.
     """
     diff, rel = rel_error(ours, reference)
-    verdict = "ok" if rel <= rtol else "MISMATCH"
-    print(f"{name:<28} max|Δ|={diff:.1e}  rel={rel:.1e}  (≤ {rtol:.0e}) {verdict}")
-    if rel > rtol:
+    ok = rel <= rtol  # False for NaN too: a non-finite value never passes
+    print(f"{name:<28} max|Δ|={diff:.1e}  rel={rel:.1e}  (≤ {rtol:.0e}) {'ok' if ok else 'MISMATCH'}")
+    if not ok:
         raise ClaimFailed(f"{name}: relative error {rel:.2e} exceeds {rtol:.0e}")
     return diff
 
