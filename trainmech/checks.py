@@ -50,3 +50,16 @@ def equal(name: str, ours: torch.Tensor, reference: torch.Tensor) -> None:
         n = int((ours != reference).sum()) if ours.shape == reference.shape else -1
         raise ClaimFailed(f"{name}: not bitwise equal ({n} element(s) differ)")
     print(f"{name:<28} bitwise equal ({ours.numel()} element(s))")
+
+
+def raises(fn, fragment: str, exc: type[BaseException] = RuntimeError) -> None:
+    """Run fn; it must raise `exc` whose message contains `fragment`.
+
+    Prints only the fragment (a framework's full message can change between versions).
+    """
+    try:
+        fn()
+    except exc as e:
+        claim(fragment in str(e), f"{exc.__name__} raised, saying: {fragment!r}")
+        return
+    raise ClaimFailed(f"expected a {exc.__name__} saying {fragment!r}, but nothing was raised")

@@ -41,3 +41,39 @@ def depends_on(root: torch.Tensor, named: dict[str, torch.Tensor]) -> dict[str, 
 def node_counts(root: torch.Tensor) -> Counter[str]:
     """How many graph nodes of each kind (e.g. MmBackward0) root's graph holds."""
     return Counter(type(n).__name__ for n in nodes(root))
+
+
+def levels(root: torch.Tensor) -> dict[torch.autograd.graph.Node, int]:
+    """Each reachable node's level: the longest path, in edges, from root.grad_fn (level 0).
+
+    Every edge goes from a lower level to a higher one, so level order is an order backward
+    may run the nodes in: a node runs only after every node that consumed its output has
+    passed its upstream gradient to it.
+    """
+    reached = list(nodes(root))
+    waiting = Counter(nxt for node in reached for nxt, _ in node.next_functions if nxt is not None)
+    level = {node: 0 for node in reached}
+    ready = [root.grad_fn] if reached else []
+    while ready:  # topological order: a node is ready once every edge into it was seen
+        node = ready.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            level[nxt] = max(level[nxt], level[node] + 1)
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                ready.append(nxt)
+    return level
+
+
+def edges(root: torch.Tensor) -> list[tuple[torch.autograd.graph.Node, torch.autograd.graph.Node]]:
+    """Every (node, next node) pair of root's graph: the upstream gradient flows along it."""
+    return [(node, nxt) for node in nodes(root) for nxt, _ in node.next_functions if nxt is not None]
+
+
+def consumers(root: torch.Tensor, leaf: torch.Tensor) -> list[str]:
+    """Kinds of the nodes that send a gradient into leaf's AccumulateGrad: one per use of leaf.
+
+    A leaf used twice (a tied weight) has two; autograd sums them before writing leaf.grad.
+    """
+    return sorted(type(node).__name__ for node, nxt in edges(root) if getattr(nxt, "variable", None) is leaf)

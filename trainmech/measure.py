@@ -7,17 +7,28 @@ into records and run.json, never printed into a notebook's compared outputs.
 
 from __future__ import annotations
 
+import gc
+import os
 import statistics
+import sys
 import time
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from trainmech.errors import TrainmechError
 
 
 def percentile(samples: list[float], q: float) -> float:
     """The q-th percentile (0..100) with linear interpolation between order statistics."""
     if not samples:
         raise ValueError("percentile of no samples")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must lie in [0, 100], got {q}")
     xs = sorted(samples)
     pos = (len(xs) - 1) * q / 100.0
     lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
@@ -55,3 +66,284 @@ def reset_cuda_peaks(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def cuda_allocated(device: torch.device) -> int | None:
+    """Bytes held by live tensors right now (the base an incremental peak is measured from); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.memory_allocated(device))
+
+
+# ----------------------------------------------------------------------------- memory: live bytes by phase
+#
+# A CPU has no max_memory_allocated. StorageTracker watches every ATen op (a TorchDispatchMode)
+# and counts each new tensor storage from the op that creates it to the moment it is released (a
+# weakref finalizer on the storage), labelled with the phase of the step it was born and released
+# in. Views and in-place results reuse an input's storage and cost nothing. Kernel-internal
+# scratch that never becomes a tensor is invisible here; the allocator sees it
+# (`allocator_peak_cpu`, from torch.profiler's memory events).
+
+MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "saved", "workspace")
+FORWARD_PHASES = ("forward", "loss")  # phase-name prefixes of the forward pass and the loss
+
+
+@dataclass
+class Allocation:
+    """One tensor storage created while a StorageTracker was active."""
+
+    nbytes: int
+    op: str  # the ATen op that created it
+    born: int  # index of its birth event
+    born_phase: str
+    died: int | None = None  # index of its release event; None: still alive when tracking stopped
+    died_phase: str | None = None
+    tag: str | None = None  # "gradients" / "optimizer_states", set by StorageTracker.tag
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live tensor bytes after every birth and release of a storage, with the phase of each event.
+
+    Set `tracker.phase` as the work moves on (hooks do it for a model, see `phase_hooks`).
+    """
+
+    def __init__(self, phase: str = "start"):
+        super().__init__()
+        self.phase = phase
+        self.allocations: list[Allocation] = []
+        self.live: list[int] = []  # tracked bytes after each event
+        self.phases: list[str] = []  # the phase of each event
+        self._bytes = 0
+        self._alive: dict[int, int] = {}  # id(storage) -> index into allocations
+        self._finalizers: dict[int, weakref.finalize] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        fresh = func is torch.ops.aten.lift_fresh.default  # torch.tensor(...): a new storage passed through
+        inputs = set() if fresh else {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if id(s) not in inputs and id(s) not in self._alive and s.nbytes() > 0:
+                    self._born(s, func.__name__)
+        return out
+
+    def _event(self, delta: int) -> int:
+        self._bytes += delta
+        self.live.append(self._bytes)
+        self.phases.append(self.phase)
+        return len(self.live) - 1
+
+    def _born(self, storage, op: str) -> None:
+        index = len(self.allocations)
+        self.allocations.append(Allocation(storage.nbytes(), op, self._event(storage.nbytes()), self.phase))
+        self._alive[id(storage)] = index
+        self._finalizers[index] = weakref.finalize(storage, self._released, id(storage), index)
+
+    def _released(self, key: int, index: int) -> None:
+        a = self.allocations[index]
+        self._alive.pop(key, None)
+        self._finalizers.pop(index, None)
+        a.died, a.died_phase = self._event(-a.nbytes), self.phase
+
+    def tag(self, tensors, label: str) -> None:
+        """Label the tracked storages of these tensors (e.g. every p.grad as "gradients")."""
+        for t in tensors:
+            index = self._alive.get(id(t.untyped_storage()))
+            if index is not None:
+                self.allocations[index].tag = label
+
+    def __enter__(self):
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()  # no cycle collection mid-step: every release happens at the same event each run
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        result = super().__exit__(*exc)
+        for f in list(self._finalizers.values()):  # what outlives the region stays alive, untracked
+            f.detach()
+        self._finalizers.clear()
+        if self._gc_was_enabled:
+            gc.enable()
+        return result
+
+
+def phase_hooks(model: torch.nn.Module, tracker: StorageTracker) -> list:
+    """Hooks that set tracker.phase over one step of a transformers causal LM (Qwen2/Llama layout).
+
+    Forward: forward.embed, forward.layer.<i>, forward.head (final norm + lm_head), loss.
+    Backward: a tensor hook on each block's output names the phase whose backward starts when that
+    output's gradient is ready: backward.head, backward.layer.<i>, backward.embed. The caller sets
+    backward.loss before loss.backward(). Returns the handles; call .remove() on each when done.
+    """
+
+    def set_phase(name):
+        def hook(*_):
+            tracker.phase = name
+
+        return hook
+
+    def on_output_grad(module, name):
+        def forward_hook(_module, _inputs, out):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(set_phase(name))
+
+        return module.register_forward_hook(forward_hook)
+
+    inner = model.model
+    handles = [inner.embed_tokens.register_forward_pre_hook(set_phase("forward.embed")),
+               on_output_grad(inner.embed_tokens, "backward.embed")]
+    for i, layer in enumerate(inner.layers):
+        handles += [layer.register_forward_pre_hook(set_phase(f"forward.layer.{i}")),
+                    on_output_grad(layer, f"backward.layer.{i}")]
+    handles += [inner.norm.register_forward_pre_hook(set_phase("forward.head")),
+                model.lm_head.register_forward_hook(set_phase("loss")),
+                on_output_grad(model.lm_head, "backward.head")]
+    return handles
+
+
+@dataclass
+class StepMemory:
+    """Live bytes over one tracked training step, and what they were.
+
+    `baseline`: bytes alive before the step, by category (parameters; optimizer states after the
+    first step). `live[k]`: tracked bytes after event k, baseline excluded. On CUDA the allocator's
+    own peaks come along; off CUDA they are None (unknown, not zero).
+    """
+
+    baseline: dict[str, int]
+    allocations: list[Allocation]
+    live: list[int]
+    phases: list[str]
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+
+    @staticmethod
+    def category(a: Allocation) -> str:
+        """gradients / optimizer_states by tag; else forward-born: saved if the backward releases it,
+        activations if the forward does; everything else born in backward or update: workspace."""
+        if a.tag:
+            return a.tag
+        if a.born_phase.startswith(FORWARD_PHASES):
+            released_in_forward = a.died_phase is not None and a.died_phase.startswith(FORWARD_PHASES)
+            return "activations" if released_in_forward else "saved"
+        return "workspace"
+
+    @property
+    def peak_event(self) -> int:
+        return max(range(len(self.live)), key=self.live.__getitem__)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Baseline plus the most tracked bytes alive at any event."""
+        return sum(self.baseline.values()) + self.live[self.peak_event]
+
+    @property
+    def peak_phase(self) -> str:
+        return self.phases[self.peak_event]
+
+    def by_category(self, event: int | None = None) -> dict[str, int]:
+        """Bytes alive right after `event` (default: the peak), by category, baseline included."""
+        k = self.peak_event if event is None else event
+        out = {c: self.baseline.get(c, 0) for c in MEMORY_CATEGORIES}
+        for a in self.allocations:
+            if a.born <= k and (a.died is None or a.died > k):
+                out[self.category(a)] += a.nbytes
+        return out
+
+    def by_phase(self) -> dict[str, int]:
+        """Most bytes alive (baseline included) during each phase, counting what it started with."""
+        base, out, before = sum(self.baseline.values()), {}, 0
+        for live, phase in zip(self.live, self.phases):
+            out[phase] = max(out.get(phase, base + before), base + live)
+            before = live
+        return out
+
+    def lifecycles(self) -> dict[tuple[str, str, str | None], int]:
+        """(category, born phase, released phase or None) -> bytes: who lives from when to when."""
+        out: dict[tuple[str, str, str | None], int] = {}
+        for a in self.allocations:
+            key = (self.category(a), a.born_phase, a.died_phase)
+            out[key] = out.get(key, 0) + a.nbytes
+        return out
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
+def _distinct_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        seen[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> StepMemory:
+    """Track one training step of a transformers causal LM and return its StepMemory.
+
+    The step: loss = model(**batch, use_cache=False).loss; loss.backward(); optimizer.step();
+    optimizer.zero_grad(set_to_none=True). Gradients must be None when it starts (set_to_none).
+    Every p.grad is tagged "gradients" after the backward, every optimizer state tensor
+    "optimizer_states" after the update. On CUDA the allocator's peaks are read as well.
+    """
+    params = list(model.parameters())
+    if any(p.grad is not None for p in params):
+        raise TrainmechError("training_step_memory needs p.grad = None before the step (zero_grad(set_to_none=True))")
+    device = params[0].device
+    baseline = {"parameters": _distinct_bytes(params), "optimizer_states": _distinct_bytes(_state_tensors(optimizer))}
+    if device.type == "cuda":
+        reset_cuda_peaks(device)
+    tracker = StorageTracker()
+    handles = phase_hooks(model, tracker)
+    try:
+        with tracker:
+            loss = model(**batch, use_cache=False).loss
+            tracker.phase = "backward.loss"
+            loss.backward()
+            del loss
+            tracker.tag([p.grad for p in params if p.grad is not None], "gradients")
+            tracker.phase = "optimizer"
+            optimizer.step()
+            tracker.tag(_state_tensors(optimizer), "optimizer_states")
+            tracker.phase = "zero_grad"
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases, **cuda_peaks(device))
+
+
+def allocator_peak_cpu(fn: Callable[[], object]) -> int:
+    """Peak bytes the CPU allocator handed out while fn ran (torch.profiler's memory events).
+
+    Counts every allocation, kernel-internal scratch included, relative to the start of fn.
+    The profiler's own start/stop lines on stderr are silenced for the duration.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.stderr.flush()
+    saved_fd, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+    finally:
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+        os.close(null)
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+            f = node.extra_fields
+            events.append((node.start_time_ns, f.total_allocated - f.alloc_size, f.total_allocated))
+    if not events:
+        return 0
+    events.sort()
+    return max(total for _, _, total in events) - events[0][1]  # the allocator's running total, from fn's start

@@ -119,9 +119,14 @@ def load(profile_id: str, directory: Path | None = None) -> Profile:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
         profile = Profile.model_validate(data)
-    except (tomllib.TOMLDecodeError, ValidationError) as e:
-        first = str(e).strip().splitlines()
-        raise TrainmechError(f"profile file {path.name} is malformed: {' '.join(first[:3])}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TrainmechError(f"profile file {path.name} is malformed: {e}") from None
+    except ValidationError as e:  # the first error only, without pydantic's input dump and URL
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "profile"
+        raise TrainmechError(
+            f"profile file {path.name} is malformed: {where}: {err['msg']} ({len(e.errors())} error(s) in all)"
+        ) from None
     if profile.profile_id != profile_id:
         raise TrainmechError(f"profile file {path.name} declares profile_id {profile.profile_id!r}")
     return profile

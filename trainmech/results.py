@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trainmech.errors import TrainmechError
 
 SCHEMA_VERSION = 1
-LABEL_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+LABEL_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*\Z")  # \Z: `$` would let a trailing newline in
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 
 # What a record proves, weakest first: a CPU mechanism check, a CUDA path run whose numbers were
 # not measured (for example no GPU present), GPU measurements.
@@ -35,7 +35,7 @@ Scalar = float | int | str | bool | None
 
 
 class _Group(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # JSON has no NaN / Infinity
 
 
 class Identity(_Group):
@@ -132,13 +132,18 @@ def check_label(label: object) -> str:
     return label
 
 
+def validate(data: dict[str, Any]) -> Record:
+    """The Record for data, or a one-sentence TrainmechError naming the first problem."""
+    try:
+        return Record.model_validate(data)
+    except ValidationError as e:
+        raise TrainmechError(f"record does not validate: {_first_error(e)}") from None
+
+
 def write_record(record: Record | dict[str, Any], directory: Path) -> Path:
     """Validate, then write atomically (temporary file in the same folder + rename)."""
     if not isinstance(record, Record):
-        try:
-            record = Record.model_validate(record)
-        except ValidationError as e:
-            raise TrainmechError(f"record does not validate: {_first_error(e)}") from None
+        record = validate(record)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / record.filename
     text = json.dumps(record.model_dump(mode="json"), ensure_ascii=False, indent=2, allow_nan=False) + "\n"

@@ -46,7 +46,7 @@ def discover(notebooks_dir: Path = NOTEBOOKS_DIR, only: list[str] | None = None)
     """Task notebooks in Task order; `only` keeps those whose name starts with one of its items."""
     found = sorted(
         (p for p in notebooks_dir.glob("Task*.ipynb") if TASK_RE.match(p.name)),
-        key=lambda p: int(TASK_RE.match(p.name).group(1)),
+        key=lambda p: (int(TASK_RE.match(p.name).group(1)), p.name),  # name breaks ties: glob order is arbitrary
     )
     if only:
         wanted = [o.removesuffix(".ipynb") for o in only]
@@ -154,7 +154,12 @@ def _replace_dir(staging: Path, target: Path) -> None:
     old = target.with_name(f".old-{target.name}-{os.getpid()}")
     if target.exists():
         target.rename(old)
-    staging.rename(target)
+    try:
+        staging.rename(target)
+    except OSError:
+        if old.exists():
+            old.rename(target)  # put the previous results back: never half of each
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -196,11 +201,12 @@ def run(
         bar = tqdm(notebooks, desc="notebooks", unit="nb", disable=not progress, file=sys.stderr)
         for path in bar:
             bar.set_postfix_str(path.stem)
-            before = set(results.record_paths(staging))
+            before = {p: p.stat().st_mtime_ns for p in results.record_paths(staging)}
             t0 = time.perf_counter()
             status, error = execute_notebook(path, staging / "notebooks" / path.name, params, timeout)
             seconds = round(time.perf_counter() - t0, 2)
-            written = sorted(set(results.record_paths(staging)) - before)
+            # new files, and files an earlier notebook wrote that this one replaced
+            written = [p for p in results.record_paths(staging) if before.get(p) != p.stat().st_mtime_ns]
             for rec in written:
                 try:
                     results.read_record(rec)

@@ -117,7 +117,7 @@ class Session:
     ) -> results.Record:
         """Validate and write one result record; returns it. Unknown values stay None (null)."""
         conclusion = {"evidence_level": self.profile.evidence_level, **(conclusion or {})}
-        record = results.Record.model_validate(
+        record = results.validate(
             {
                 "identity": {
                     "semantic_id": semantic_id,

@@ -1,0 +1,375 @@
+"""Result records (trainmech.results): the model, the atomic writer, the reader, the registry."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainmech import results
+from trainmech.errors import TrainmechError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def full_record(semantic_id: str = "TRAIN-GRADIENT-ACCUMULATION", workload_id: str = "cpu-seq32", **conclusion) -> dict:
+    """A record with every group and every field filled (nothing left to defaults)."""
+    return {
+        "schema_version": 1,
+        "identity": {
+            "semantic_id": semantic_id,
+            "workload_id": workload_id,
+            "run_label": "unit",
+            "page": "Part 02 · 11",
+            "notebook": "Task3_effective_updates",
+            "candidate": "micro-batches=2",
+        },
+        "workload": {
+            "model_id": "trainmech/qwen2-tiny",
+            "model_commit": None,
+            "model_weights": "random-init seed=0",
+            "tokenizer": "trainmech-bytebpe-512 sha256:0123456789abcdef",
+            "input_shape": [4, 32],
+            "effective_batch": {"sequences": 4, "supervised_tokens": 124},
+            "update_count": 1,
+            "dtype": "float32",
+            "seed": 0,
+        },
+        "environment": {
+            "profile_id": "TRAIN-CPU",
+            "run_mode": "cpu",
+            "python": "3.12.3",
+            "torch": "2.13.0",
+            "transformers": "5.24.0",
+            "accelerate": None,
+            "cuda": None,
+            "gpu": None,
+            "gpu_memory_bytes": None,
+            "device": "cpu",
+        },
+        "correctness": {
+            "output_max_abs_error": 1.5e-7,
+            "grad_max_abs_error": 3e-8,
+            "all_finite": True,
+            "skipped_updates": 0,
+            "effective_updates": 1,
+        },
+        "resources": {
+            "peak_allocated_bytes": None,
+            "peak_reserved_bytes": None,
+            "step_time_median_s": 0.012,
+            "step_time_p95_s": 0.02,
+            "transfer_bytes": 0,
+            "recompute_count": None,
+        },
+        "conclusion": {
+            "failure": None,
+            "evidence_level": "cpu-mechanism",
+            "decision": "tune",
+            "next_step": "measure on the GPU",
+            **conclusion,
+        },
+        "metrics": {"loss": 5.25, "losses": [5.25, 5.0], "by_split": {"1": 0.0, "2": 1e-7}, "note": "中文", "ok": True},
+    }
+
+
+def write_json(path: Path, data) -> Path:
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------- round trip
+
+
+def test_full_record_round_trips(tmp_path):
+    data = full_record()
+    path = results.write_record(data, tmp_path)
+    assert path == tmp_path / "TRAIN-GRADIENT-ACCUMULATION__cpu-seq32.json"
+    assert json.loads(path.read_text(encoding="utf-8")) == data
+    back = results.read_record(path)
+    assert back == results.Record.model_validate(data)
+    assert back.model_dump(mode="json") == data
+    results.write_record(back, tmp_path / "again")  # a Record object writes the same bytes
+    assert (tmp_path / "again" / path.name).read_bytes() == path.read_bytes()
+
+
+def test_minimal_record_fills_unknowns_with_null(tmp_path):
+    data = full_record()
+    for group in ("correctness", "resources", "metrics"):
+        del data[group]
+    back = results.read_record(results.write_record(data, tmp_path))
+    assert back.correctness.model_dump() == dict.fromkeys(results.Correctness.model_fields)
+    assert back.resources.model_dump() == dict.fromkeys(results.Resources.model_fields)
+    assert back.metrics == {} and back.schema_version == results.SCHEMA_VERSION
+
+
+def test_record_has_the_six_groups_of_the_registry():
+    fields = set(results.Record.model_fields)
+    assert {"identity", "workload", "environment", "correctness", "resources", "conclusion"} <= fields
+    assert {"semantic_id", "workload_id", "run_label", "page", "notebook", "candidate"} <= set(results.Identity.model_fields)
+    assert {"peak_allocated_bytes", "peak_reserved_bytes", "step_time_median_s", "step_time_p95_s",
+            "transfer_bytes", "recompute_count"} <= set(results.Resources.model_fields)
+    assert {"failure", "evidence_level", "decision", "next_step"} <= set(results.Conclusion.model_fields)
+
+
+def test_written_file_is_complete_utf8_json(tmp_path):
+    path = results.write_record(full_record(), tmp_path)
+    text = path.read_text(encoding="utf-8")
+    assert text.endswith("}\n")
+    assert "中文" in text and "Part 02 · 11" in text  # not \u-escaped
+    json.loads(text)
+
+
+# ---------------------------------------------------------------- atomic writer
+
+
+def test_writer_leaves_no_temporary_files(tmp_path):
+    results.write_record(full_record(), tmp_path)
+    results.write_record(full_record(), tmp_path)  # overwrite in place
+    results.write_record(full_record(workload_id="cpu-seq64"), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "TRAIN-GRADIENT-ACCUMULATION__cpu-seq32.json",
+        "TRAIN-GRADIENT-ACCUMULATION__cpu-seq64.json",
+    ]
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda d: d["conclusion"].update(evidence_level="proven"),
+        lambda d: d["correctness"].update(output_max_abs_error=float("nan")),
+        lambda d: d["metrics"].update(loss=float("inf")),
+        lambda d: d.pop("environment"),
+    ],
+    ids=["evidence", "nan", "inf", "missing-group"],
+)
+def test_invalid_record_writes_nothing_and_keeps_the_existing_file(tmp_path, spoil):
+    path = results.write_record(full_record(), tmp_path)
+    before = path.read_bytes()
+    bad = full_record()
+    spoil(bad)
+    with pytest.raises(TrainmechError) as e:
+        results.write_record(bad, tmp_path)
+    assert "\n" not in str(e.value)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_invalid_record_into_a_new_folder_writes_nothing(tmp_path):
+    bad = full_record(decision="maybe")
+    with pytest.raises(TrainmechError):
+        results.write_record(bad, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+def test_failed_rename_keeps_the_existing_file_and_removes_the_temporary(tmp_path, monkeypatch):
+    path = results.write_record(full_record(), tmp_path)
+    before = path.read_bytes()
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(results.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        results.write_record(full_record(next_step="changed"), tmp_path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+# ---------------------------------------------------------------- reader
+
+
+def refuse(tmp_path: Path, data) -> str:
+    path = tmp_path / "X__y.json"
+    if isinstance(data, str):
+        path.write_text(data, encoding="utf-8")
+    else:
+        write_json(path, data)
+    with pytest.raises(TrainmechError) as e:
+        results.read_record(path)
+    text = str(e.value)
+    assert "\n" not in text and "X__y.json" in text
+    return text
+
+
+@pytest.mark.parametrize("text", ["", "{", "not json", '{"identity": '])
+def test_reader_refuses_malformed_json(tmp_path, text):
+    assert "JSON" in refuse(tmp_path, text)
+
+
+def test_reader_refuses_a_missing_file(tmp_path):
+    with pytest.raises(TrainmechError):
+        results.read_record(tmp_path / "absent__x.json")
+
+
+@pytest.mark.parametrize("group", ["identity", "workload", "environment", "conclusion"])
+def test_reader_refuses_a_missing_group(tmp_path, group):
+    data = full_record()
+    del data[group]
+    assert group in refuse(tmp_path, data)
+
+
+@pytest.mark.parametrize(
+    "group, key, value",
+    [
+        ("workload", "seed", "zero"),
+        ("workload", "input_shape", "4x32"),
+        ("workload", "effective_batch", 4),
+        ("correctness", "all_finite", "perhaps"),
+        ("resources", "peak_allocated_bytes", "1 GiB"),
+        ("identity", "page", 2),
+        ("environment", "gpu_memory_bytes", [1]),
+    ],
+)
+def test_reader_refuses_a_wrong_type(tmp_path, group, key, value):
+    data = full_record()
+    data[group][key] = value
+    assert key in refuse(tmp_path, data)
+
+
+def test_reader_refuses_an_unknown_evidence_level(tmp_path):
+    assert "evidence_level" in refuse(tmp_path, full_record(evidence_level="gpu-guessed"))
+
+
+@pytest.mark.parametrize("decision", ["adopt", "ACCEPT", "", 1])
+def test_reader_refuses_a_decision_outside_accept_tune_reject(tmp_path, decision):
+    assert "decision" in refuse(tmp_path, full_record(decision=decision))
+
+
+@pytest.mark.parametrize("decision", ["accept", "tune", "reject", None])
+def test_reader_accepts_each_decision_and_null(tmp_path, decision):
+    path = write_json(tmp_path / "a__b.json", full_record(decision=decision))
+    assert results.read_record(path).conclusion.decision == decision
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_reader_refuses_nan_and_infinity(tmp_path, literal):
+    text = json.dumps(full_record()).replace('"output_max_abs_error": 1.5e-07', f'"output_max_abs_error": {literal}')
+    assert literal in text
+    refuse(tmp_path, text)
+
+
+def test_reader_refuses_nan_in_metrics(tmp_path):
+    text = json.dumps(full_record()).replace('"loss": 5.25', '"loss": NaN')
+    assert "NaN" in text
+    refuse(tmp_path, text)
+
+
+def test_reader_refuses_unknown_keys_and_schema_versions(tmp_path):
+    data = full_record()
+    data["identity"]["colour"] = "red"
+    assert "colour" in refuse(tmp_path, data)
+    data = full_record()
+    data["schema_version"] = 2
+    assert "schema_version" in refuse(tmp_path, data)
+
+
+@pytest.mark.parametrize("bad_id", ["../x", "a/b", ".hidden", "", "a b", "x\n"])
+def test_reader_refuses_an_unsafe_semantic_or_workload_id(tmp_path, bad_id):
+    refuse(tmp_path, full_record(semantic_id=bad_id))
+    refuse(tmp_path, full_record(workload_id=bad_id))
+
+
+def test_read_records_reads_only_record_files(tmp_path):
+    results.write_record(full_record(), tmp_path)
+    results.write_record(full_record("TRAIN-LOOP", "cpu-loop"), tmp_path)
+    (tmp_path / "run.json").write_text("{}", encoding="utf-8")
+    (tmp_path / ".tmp-abc__x.json").write_text("{", encoding="utf-8")
+    records = results.read_records(tmp_path)
+    assert [r.identity.semantic_id for r in records] == ["TRAIN-GRADIENT-ACCUMULATION", "TRAIN-LOOP"]
+
+
+@pytest.mark.parametrize("label", ["../x", "a/b", ".hidden", "", "a b", "é", "x\n", "\nx"])
+def test_check_label_refuses_unsafe_labels(label):
+    with pytest.raises(TrainmechError):
+        results.check_label(label)
+
+
+# ---------------------------------------------------------------- schema
+
+
+def test_committed_schema_file_is_current():
+    committed = (REPO / "results" / "record.schema.json").read_text(encoding="utf-8")
+    assert committed == json.dumps(results.json_schema(), ensure_ascii=False, indent=2) + "\n", (
+        "results/record.schema.json is stale: regenerate it with results.write_schema(path)"
+    )
+
+
+def test_write_schema_writes_the_schema(tmp_path):
+    path = results.write_schema(tmp_path / "s.json")
+    schema = json.loads(path.read_text(encoding="utf-8"))
+    assert schema == results.json_schema()
+    assert set(schema["required"]) >= {"identity", "workload", "environment", "conclusion"}
+
+
+# ---------------------------------------------------------------- registry
+
+
+def rows(markdown: str) -> dict[str, list[str]]:
+    """semantic_id -> the cells of its row in the registry table."""
+    out = {}
+    for line in markdown.splitlines():
+        if line.startswith("| ") and " / " in line and not line.startswith("| 实验 ID"):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            out[cells[0].split(" / ")[0]] = cells
+    return out
+
+
+def rec(semantic_id: str, workload_id: str, **conclusion) -> results.Record:
+    return results.Record.model_validate(full_record(semantic_id, workload_id, **{"decision": None, **conclusion}))
+
+
+def test_registry_lists_every_experiment_and_no_record_without_records():
+    md = results.registry_markdown([], "lbl")
+    table = rows(md)
+    ids = [e["semantic_id"] for e in results.experiments()]
+    assert list(table) == ids
+    assert all(cells[3] == "no record" for cells in table.values())
+    assert "`lbl`" in md.splitlines()[0]
+
+
+def test_registry_experiments_are_the_architecture_ones():
+    ids = {e["semantic_id"] for e in results.experiments()}
+    assert {
+        "TRAIN-LOCAL-BACKWARD", "TRAIN-ATTENTION-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION", "TRAIN-SCHEDULER-CLOCK",
+        "TRAIN-UPDATE-DYNAMICS", "TRAIN-CONTINUAL-PRETRAIN", "TRAIN-AMP-BACKWARD", "TRAIN-CHECKPOINT",
+        "TRAIN-OFFLOAD", "TRAIN-STATE-LEDGER",
+    } <= ids
+    for e in results.experiments():
+        assert {"semantic_id", "page", "notebook", "comparison", "metrics", "reference"} <= set(e)
+
+
+def test_registry_status_is_derived_from_the_records():
+    records = [
+        rec("TRAIN-GRADIENT-ACCUMULATION", "cpu-seq32"),
+        rec("TRAIN-CHECKPOINT", "cpu-b2s128", evidence_level="cpu-mechanism"),
+        rec("TRAIN-CHECKPOINT", "b2s512_default2", evidence_level="gpu-measured", decision="accept"),
+        rec("TRAIN-OFFLOAD", "b2s512_default1", evidence_level="not-measured", failure="no CUDA device"),
+        rec("TRAIN-OFFLOAD", "cpu-b2s128", evidence_level="cpu-mechanism", decision="tune"),
+    ]
+    table = rows(results.registry_markdown(records, "lbl"))
+    assert table["TRAIN-GRADIENT-ACCUMULATION"][3] == "cpu-mechanism (cpu-seq32)"
+    checkpoint = table["TRAIN-CHECKPOINT"][3]
+    assert checkpoint.startswith("gpu-measured (")  # the strongest evidence wins
+    assert "b2s512_default2" in checkpoint and "cpu-b2s128" in checkpoint
+    assert "decision accept" in checkpoint
+    offload = table["TRAIN-OFFLOAD"][3]
+    assert offload.startswith("not-measured (") and "decision tune" in offload and "1 failed" in offload
+    assert table["TRAIN-LOOP"][3] == "no record"
+    assert table["TRAIN-STATE-LEDGER"][3] == "no record"
+
+
+def test_registry_order_of_records_does_not_matter():
+    a = rec("TRAIN-CHECKPOINT", "b2s512_default2", evidence_level="gpu-measured")
+    b = rec("TRAIN-CHECKPOINT", "cpu-b2s128", evidence_level="cpu-mechanism")
+    assert results.registry_markdown([a, b]) == results.registry_markdown([b, a])
+
+
+def test_registry_keeps_records_of_experiments_outside_the_registry():
+    md = results.registry_markdown([rec("TRAIN-EXTRA", "cpu-loop")])
+    assert rows(md)["TRAIN-EXTRA"][3] == "cpu-mechanism (cpu-loop)"
+
+
+def test_evidence_levels_are_ordered_weakest_first():
+    assert results.EVIDENCE_LEVELS == ("cpu-mechanism", "not-measured", "gpu-measured")
+    assert results.evidence_status([]) == "no record"
