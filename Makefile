@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(PY) -m trainmech lint
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks
+	$(VENV)/bin/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean:
 	rm -rf $(VENV) results/.staging-* results/local
