@@ -111,9 +111,9 @@ def term(code_name_or_zh: str) -> Term:
 
 _INTRO = (
     "本页收录反向传播与训练机制专题中最容易混淆的 23 个术语，关注训练过程里的对象、更新边界和运行时证据。"
-    "每条给出中文主称与英文名、它在本专题中的含义、容易混淆之处，以及代码里对应的标识符；"
-    "读过本页，就能认出代码中的变量名和结果 JSON 的键名，它们一律保留英文。"
-    "公式符号请查公式索引与符号约定。本页由 `trainmech.glossary` 根据 `trainmech/data/glossary.json` 生成，"
+    "每条给出中文主称与英文名、它在本专题中的含义、容易混淆之处，以及命名代码时采用的英文标识符"
+    "（`trainmech` 的函数、变量和结果 JSON 的键名一律用英文，并尽量沿用这些名字）。"
+    "本页由 `trainmech.glossary` 根据 `trainmech/data/glossary.json` 生成，"
     "要修改请改数据，再重新生成。"
 )
 
@@ -144,7 +144,7 @@ def render_markdown() -> str:
             f"## {t.zh}（{t.en}）\n\n"
             f"- 含义：{t.meaning}\n"
             f"- 容易混淆：{t.confusion}\n"
-            f"- 代码标识符：`{t.code_name}`\n"
+            f"- 英文标识符：`{t.code_name}`\n"
         )
     parts.append(_RULES)
     return "\n".join(parts)
