@@ -5,8 +5,8 @@ float64, tolerance 1e-10 relative. The stock HF Qwen2 modules compute RMSNorm
 (`hidden_states.to(torch.float32)`), the eager softmax (`softmax(..., dtype=torch.float32)`) and the
 loss (`logits.float()`) in float32 even in a float64 model, so a float64 HF model is only
 float32-accurate there. The float64 reference therefore runs the real modules with those three
-float32 islands removed (fixture `hf_float64`: RMSNorm and eager attention patched to keep their
-input dtype; the loss computed with F.cross_entropy on the model's float64 logits, shifted as HF).
+float32 islands removed (fixture `hf_float64`, i.e. `vjp_qwen2.hf_float64_reference`: RMSNorm and
+eager attention keep float64; the loss is `vjp_qwen2.causal_lm_loss` on the model's float64 logits).
 
 float32, tolerance 1e-4 relative, against the stock, unpatched model: both sides round every op to
 float32 (eps 1.2e-7) but sum in different orders over up to V*B*T terms through two layers, which
@@ -15,7 +15,6 @@ leaves ~1e-6 relative; 1e-4 keeps a wide margin while any wrong formula is off b
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2 import modeling_qwen2
 
@@ -60,9 +59,7 @@ def batch():
     return input_ids, labels
 
 
-def shifted_loss(logits, labels):
-    """HF's causal-LM loss in the logits' own dtype: position t predicts labels[t + 1]."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+shifted_loss = q2.causal_lm_loss  # HF's causal-LM loss in the logits' own dtype
 
 
 def autograd_grads(model, loss):
@@ -72,26 +69,10 @@ def autograd_grads(model, loss):
 
 
 @pytest.fixture
-def hf_float64(monkeypatch):
+def hf_float64():
     """Remove the stock modules' float32 islands so the HF model is a true float64 reference."""
-
-    def rms_norm_keep_dtype(self, hidden_states):
-        dtype = hidden_states.dtype
-        h = hidden_states.to(torch.promote_types(dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
-
-    def eager_keep_dtype(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        key = modeling_qwen2.repeat_kv(key, module.num_key_value_groups)
-        value = modeling_qwen2.repeat_kv(value, module.num_key_value_groups)
-        weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-        if attention_mask is not None:
-            weights = weights + attention_mask
-        weights = torch.softmax(weights, dim=-1)  # stock: softmax(..., dtype=torch.float32)
-        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm_keep_dtype)
-    monkeypatch.setattr(modeling_qwen2, "eager_attention_forward", eager_keep_dtype)
+    with q2.hf_float64_reference():
+        yield
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,3 +245,31 @@ def test_task2_unsupported_config_is_refused():
     input_ids, labels = batch()
     with pytest.raises(ValueError, match="full"):
         q2.model_loss_forward(model, input_ids, labels)
+
+
+# ----------------------------------------------------------------------------------------------
+# the float64 reference helper and the benchmark
+
+
+def test_task2_hf_float64_reference_changes_only_float64_and_restores_the_stock_modules():
+    stock_norm, stock_eager = modeling_qwen2.Qwen2RMSNorm.forward, modeling_qwen2.eager_attention_forward
+    input_ids, labels = batch()
+    model32, model64 = tiny_model(torch.float32), tiny_model(torch.float64)
+    stock32, stock64 = model32(input_ids=input_ids).logits, model64(input_ids=input_ids).logits
+    with pytest.raises(RuntimeError, match="boom"), q2.hf_float64_reference():
+        assert modeling_qwen2.Qwen2RMSNorm.forward is not stock_norm
+        assert torch.equal(model32(input_ids=input_ids).logits, stock32)  # float32: exactly the stock numerics
+        patched64 = model64(input_ids=input_ids).logits
+        raise RuntimeError("boom")  # the patches are undone even when the block fails
+    assert modeling_qwen2.Qwen2RMSNorm.forward is stock_norm and modeling_qwen2.eager_attention_forward is stock_eager
+    ours, _ = q2.model_loss_forward(model64, input_ids, labels)
+    close("loss[f64 reference]", q2.causal_lm_loss(patched64, labels), ours, rtol=RTOL64)
+    stock_error = abs(q2.causal_lm_loss(stock64, labels) - ours).item() / ours.abs().item()
+    assert 1e-10 < stock_error < 1e-5  # the stock float64 model is only float32-accurate
+
+
+def test_task2_benchmark_runs_its_correctness_gate_and_reports_medians(capsys):
+    result = q2.benchmark("qwen2-tiny", batch=1, seq=8, repeats=2, warmup=1)
+    assert set(result) == {"by_hand", "autograd", "ratio"} and all(v > 0 for v in result.values())
+    out = capsys.readouterr().out
+    assert "correctness gate" in out and "ratio by hand / autograd" in out

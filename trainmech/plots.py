@@ -159,21 +159,18 @@ def precision_runs(losses: dict[str, list[float | None]], loss_scale: list[float
     return fig
 
 
-def wsd_clock(lrs: dict[str, list[float]], skipped: list[int], boundaries: dict[str, int] | None = None):
+def wsd_clock(lrs: dict[str, list[float]], skipped: list[int]):
     """Learning rate per update attempt for several ways of stepping a WSD schedule; skips shaded.
 
-    boundaries: phase name -> first effective update of that phase, drawn as dotted lines on the
-    clock-driven curve's axis (effective updates, not attempts).
+    Later lines are drawn thinner, so a line that coincides with an earlier one stays visible on it.
     """
-    fig, (ax,) = _figure(1, 8.4, 3.4)
-    for name, ys in lrs.items():
-        ax.plot(range(len(ys)), ys, marker=".", drawstyle="steps-post", label=name)
+    fig, (ax,) = _figure(1, 8.4, 3.6)
+    for i, (name, ys) in enumerate(lrs.items()):
+        ax.plot(range(len(ys)), ys, marker=".", drawstyle="steps-post", lw=max(1.0, 4.0 - 1.2 * i), label=name)
     _mark_skips(ax, skipped)
-    for name, step in (boundaries or {}).items():
-        ax.annotate(name, (step, 0), xytext=(0, 4), textcoords="offset points", fontsize=7, color="0.4")
     ax.set(xlabel="update attempt", ylabel="learning rate", title="WSD schedule against the update clock")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
     return fig
 
 
@@ -204,5 +201,166 @@ def continual_pretrain(before: dict[str, float], after: dict[str, float]):
     ax.set(xticks=list(xs), xticklabels=names, ylabel="token loss (nats)", title="domain vs retention")
     ax.set_ylim(min(min(before.values()), min(after.values())) * 0.95, None)
     ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+# ----------------------------------------------------------------------------- Task4: the state ledger
+
+CATEGORY_COLOURS = {"parameters": "tab:gray", "gradients": "tab:red", "optimizer_states": "tab:purple",
+                    "activations": "tab:olive", "saved": "tab:blue", "workspace": "tab:orange"}
+
+
+def lifecycle_chart(rows, phases: list[str]):
+    """States × phases: a bar from the phase a state is created in to the phase it is released in.
+
+    rows: (label, category, nbytes, created, last_consumed, released) with phase names, "before" or
+    "after"; phases: the step's phases in order. A black dot marks where a state is last consumed
+    (for gradients: the update, although zero_grad releases them); colour = category.
+    """
+    x = {p: i for i, p in enumerate(phases)} | {"before": -0.6, "after": len(phases) - 0.4}
+    fig, (ax,) = _figure(1, 9.0, 0.9 + 0.24 * len(rows))
+    for y, (label, category, nbytes, created, consumed, released) in enumerate(rows):
+        start, end = x[created] - 0.4, x[released] + 0.4
+        ax.barh(y, end - start, left=start, height=0.7, color=CATEGORY_COLOURS[category], alpha=0.85)
+        if consumed in x and consumed != released:
+            ax.plot(x[consumed], y, "o", color="black", ms=3)
+        ax.annotate(f"{nbytes / 2**10:,.0f} KiB", (end, y), xytext=(3, 0), textcoords="offset points",
+                    va="center", fontsize=6, color="0.3")
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xticks(range(len(phases)), phases, rotation=60, ha="right", fontsize=7)
+    ax.set_xlim(-0.8, len(phases) + 0.8)
+    ax.grid(alpha=0.3, axis="x")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=colour, label=category) for category, colour in CATEGORY_COLOURS.items()]
+    handles.append(Line2D([], [], marker="o", color="black", ms=3, ls="", label="last consumed"))
+    ax.legend(handles=handles, fontsize=7, ncols=4, loc="lower left")
+    ax.set_title("training-state lifecycle: created → released, over one step")
+    return fig
+
+
+def memory_timeline(live: list[int], phases: list[str], baseline: int, predicted: list[tuple[str, dict[str, int]]]):
+    """Top: measured live bytes after every allocation event, the ledger's phase maxima, the peaks marked.
+    Bottom: the ledger's composition by category at every tick (stacked), the peak tick outlined.
+
+    live, phases: a measured step (trainmech.measure.StepMemory.live / .phases; baseline = bytes
+    alive before it); predicted: trainmech.ledger.Ledger.live().
+    """
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 6.2), layout="constrained")
+    plt.close(fig)
+    mib = 2**20
+    ys = [(baseline + v) / mib for v in live]
+    top.plot(range(len(ys)), ys, lw=0.9, color="black", label="measured (tracked storages)")
+    starts = {}
+    for k, p in enumerate(phases):
+        starts.setdefault(p, k)
+    bounds = sorted(starts.items(), key=lambda kv: kv[1]) + [("end", len(phases))]
+    by_phase: dict[str, float] = {}
+    for tick, row in predicted:
+        p = tick.split(":")[0]
+        by_phase[p] = max(by_phase.get(p, 0.0), sum(row.values()) / mib)
+    for (p, a), (_, b) in zip(bounds, bounds[1:]):
+        top.axvline(a, color="0.85", lw=0.6)
+        if p in by_phase:
+            top.hlines(by_phase[p], a, b, colors="tab:green", lw=2, label="ledger, phase maximum" if a == 0 else None)
+        top.annotate(p.replace("forward.", "f.").replace("backward.", "b."), ((a + b) / 2, 0), xycoords=("data", "axes fraction"),
+                     xytext=(0, 2), textcoords="offset points", rotation=90, fontsize=6, ha="center", va="bottom", color="0.35")
+    k = max(range(len(ys)), key=ys.__getitem__)
+    top.plot(k, ys[k], "*", color="tab:red", ms=12, label=f"measured peak: {ys[k]:,.2f} MiB ({phases[k]})")
+    top.set(ylabel="live bytes (MiB)", xlabel="allocation / release event", title="live bytes over one training step")
+    top.legend(fontsize=7, loc="upper right")
+    top.grid(alpha=0.3, axis="y")
+    ticks_ = [t for t, _ in predicted]
+    bottom_ = [0.0] * len(ticks_)
+    for category, colour in CATEGORY_COLOURS.items():
+        vals = [row[category] / mib for _, row in predicted]
+        bottom.bar(range(len(ticks_)), vals, bottom=bottom_, color=colour, width=0.85, label=category)
+        bottom_ = [a + b for a, b in zip(bottom_, vals)]
+    peak = max(range(len(ticks_)), key=bottom_.__getitem__)
+    bottom.bar(peak, bottom_[peak], width=0.95, fill=False, edgecolor="tab:red", lw=1.5, label=f"peak overlap: {ticks_[peak]}")
+    bottom.set_xticks(range(len(ticks_)), [t.replace("forward.", "f.").replace("backward.", "b.") for t in ticks_],
+                      rotation=75, ha="right", fontsize=6)
+    bottom.set(ylabel="bytes (MiB)", title="ledger: what is alive at each moment")
+    bottom.legend(fontsize=7, ncols=4, loc="upper left")
+    bottom.grid(alpha=0.3, axis="y")
+    return fig
+
+
+# ----------------------------------------------------------------------------- Task5: strategies
+
+
+_PHASE_SHADES = (("forward", "tab:blue"), ("loss", "tab:blue"), ("backward", "tab:orange"), ("optimizer", "tab:gray"),
+                 ("zero_grad", "tab:gray"))
+
+
+def strategy_timelines(runs: dict[str, tuple[list[int], list[str], int]], predicted_peaks: dict[str, int | None]):
+    """One panel per strategy, side by side on one byte scale: measured live bytes over one training step.
+
+    runs: name -> (live, phases, baseline) of a trainmech.measure.StepMemory (live bytes after each
+    event, the phase of each event, bytes alive before the step). predicted_peaks: name -> the
+    ledger's peak (a dashed line), or None where the ledger has no prediction. The background
+    shades forward / backward / update; a star marks the measured peak.
+    """
+    fig, axes = _figure(len(runs), 3.6, 3.2)
+    mib = 2**20
+    top = max((base + max(live)) / mib for live, _, base in runs.values())
+    for ax, (name, (live, phases, base)) in zip(axes, runs.items()):
+        ys = [(base + v) / mib for v in live]
+        start = 0
+        for k in range(1, len(phases) + 1):  # shade runs of events of one kind of phase
+            if k == len(phases) or phases[k].split(".")[0] != phases[start].split(".")[0]:
+                colour = next((c for p, c in _PHASE_SHADES if phases[start].startswith(p)), "white")
+                ax.axvspan(start, k, color=colour, alpha=0.08, lw=0)
+                start = k
+        ax.plot(range(len(ys)), ys, lw=0.9, color="black")
+        k = max(range(len(ys)), key=ys.__getitem__)
+        ax.plot(k, ys[k], "*", color="tab:red", ms=10, label=f"measured {ys[k]:,.1f} MiB")
+        if predicted_peaks.get(name) is not None:
+            ax.axhline(predicted_peaks[name] / mib, color="tab:blue", ls="--", lw=1,
+                       label=f"ledger {predicted_peaks[name] / mib:,.1f} MiB")
+        ax.set(title=name, xlabel="allocation / release event", ylim=(0, top * 1.12))
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].set_ylabel("live bytes (MiB)")
+    from matplotlib.patches import Patch
+
+    shades = [Patch(color=c, alpha=0.2, label=p) for p, c in (("forward + loss", "tab:blue"), ("backward", "tab:orange"),
+                                                                ("update + zero_grad", "tab:gray"))]
+    fig.legend(handles=shades, loc="outside lower center", ncols=3, fontsize=7, frameon=False)
+    return fig
+
+
+def saved_bytes_vs_length(lengths: list[int], series: dict[str, list[int]]):
+    """Task2: bytes one attention op keeps for backward against the sequence length T (log–log),
+    one line per implementation; dotted guides show slopes 1 (∝ T) and 2 (∝ T²)."""
+    fig, (ax,) = _figure(1, 5.2, 3.4)
+    for label, values in series.items():
+        ax.plot(lengths, values, marker="o", label=label)
+    low = 0.5 * min(min(v) for v in series.values())  # guides start below the data, visible beside it
+    for power, style in ((1, ":"), (2, "--")):
+        ax.plot(lengths, [low * (t / lengths[0]) ** power for t in lengths], style, color="gray", lw=0.8,
+                label="∝ T" if power == 1 else "∝ T²")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="saved bytes (float32)",
+           title="attention: what backward keeps")
+    ax.set_xticks(lengths, [str(t) for t in lengths])
+    ax.xaxis.set_minor_locator(plt.NullLocator())
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+def grad_errors(names: list[str], errors: dict[str, list[float]], tolerances: dict[str, float]):
+    """Task2: relative error of every parameter's gradient (hand-written vs autograd), one marker
+    series per dtype on a log scale, with each dtype's tolerance as a dashed line."""
+    fig, (ax,) = _figure(1, max(5.0, 0.22 * len(names)), 4.2)
+    for (label, values), colour in zip(errors.items(), ("tab:blue", "tab:orange", "tab:green")):
+        ax.plot(range(len(names)), [max(v, 1e-18) for v in values], "o", ms=4, color=colour, label=label)
+        ax.axhline(tolerances[label], color=colour, ls="--", lw=0.8)
+    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
+    ax.set(yscale="log", ylabel="max|Δ| / max|autograd|", title="every parameter gradient vs autograd (dashed: tolerance)")
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     return fig

@@ -5,16 +5,24 @@
     loss, saved = model_loss_forward(model, input_ids, labels)    # Qwen2ForCausalLM + shifted loss
     grads = model_loss_backward(saved)                            # keyed like model.named_parameters()
 
+    with hf_float64_reference():                                  # the stock modules without their
+        ref = causal_lm_loss(model(input_ids).logits, labels)     # float32 islands: a float64 reference
+
 A composed op's `saved` is a dict of its sub-ops' saved dicts (a model's adds a list of layers);
 `saved_inventory` flattens it into one row per tensor: which forward states backward consumes.
 
 Numerics follow the installed transformers' Qwen2 modules, with one deliberate difference: HF
 computes RMSNorm, the eager softmax and the loss in float32 even when the model is float64, so a
 float64 HF model is only float32-accurate there; here float64 stays float64 (lower precisions are
-upcast to float32 exactly as HF does). Not supported (refused with ValueError): padding masks,
+upcast to float32 exactly as HF does). `hf_float64_reference` and `causal_lm_loss` remove those
+islands from the real modules, so that they can serve as a float64 reference. Not supported (refused with ValueError): padding masks,
 sliding-window layers, RoPE types other than "default", activations other than silu, attention
 dropout.
 """
+
+import contextlib
+import statistics
+import time
 
 import torch
 
@@ -25,6 +33,8 @@ __all__ = [
     "layer_forward", "layer_backward",
     "model_loss_forward", "model_loss_backward",
     "saved_inventory",
+    "hf_float64_reference", "causal_lm_loss",
+    "benchmark",
 ]
 
 IGNORE_INDEX = -100
@@ -288,3 +298,146 @@ def saved_inventory(saved, prefix=""):
 
     walk(saved, prefix)
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the real modules as a float64 reference
+
+
+@contextlib.contextmanager
+def hf_float64_reference():
+    """Inside the block, transformers' Qwen2RMSNorm and eager attention keep float64 in float64.
+
+    The stock modules compute in float32 even in a float64 model: RMSNorm converts its input with
+    `hidden_states.to(torch.float32)` and eager attention runs `softmax(..., dtype=torch.float32)`
+    (SDPA keeps the input dtype already). Inside the block both compute in
+    promote_types(dtype, float32), so float64 stays float64 while float32 / bfloat16 / float16
+    models compute exactly as stock. The third float32 island, the loss's `logits.float()`, is not
+    in a module: compute the loss with `causal_lm_loss` on the model's logits. Both patches are
+    undone on exit, also after an exception.
+    """
+    from torch import nn
+    from transformers.models.qwen2 import modeling_qwen2
+
+    def rms_norm_keep_float64(self, hidden_states):
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.promote_types(dtype, torch.float32))  # stock: .to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+    def eager_keep_float64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key = modeling_qwen2.repeat_kv(key, module.num_key_value_groups)
+        value = modeling_qwen2.repeat_kv(value, module.num_key_value_groups)
+        weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        compute = torch.promote_types(query.dtype, torch.float32)  # stock: dtype=torch.float32
+        weights = nn.functional.softmax(weights, dim=-1, dtype=compute).to(query.dtype)
+        weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+    stock_norm, stock_eager = modeling_qwen2.Qwen2RMSNorm.forward, modeling_qwen2.eager_attention_forward
+    modeling_qwen2.Qwen2RMSNorm.forward = rms_norm_keep_float64
+    modeling_qwen2.eager_attention_forward = eager_keep_float64
+    try:
+        yield
+    finally:
+        modeling_qwen2.Qwen2RMSNorm.forward = stock_norm
+        modeling_qwen2.eager_attention_forward = stock_eager
+
+
+def causal_lm_loss(logits, labels):
+    """HF's causal-LM loss in the logits' own dtype (HF's `labels=` path upcasts to float32 only):
+    position t predicts labels[t + 1]; labels -100 are ignored; the mean over the rest.
+
+    logits: (B, T, V), labels: (B, T)  ->  loss: ().
+    """
+    V = logits.shape[-1]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1),
+                                             ignore_index=IGNORE_INDEX)
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmark: python -m trainmech.vjp_qwen2 --benchmark
+
+
+def benchmark(model="qwen2-small", batch=2, seq=128, repeats=30, warmup=5, seed=0, attn_implementation="sdpa"):
+    """Time one decoder layer's backward, by hand (layer_backward) and by autograd (the real HF
+    layer, `out.backward(grad_out)`), on the CPU, in float32, interleaved in one run.
+
+    `model` is a model of the TRAIN-CPU profile. Each repeat runs both forwards untimed and times
+    the two backwards, alternating which goes first. Before timing, a correctness gate: dx and
+    every parameter gradient within 1e-4 (relative) of autograd's. Returns a dict of medians (s)
+    and the ratio by hand / autograd; prints them with the fastest repeat of each beside.
+    """
+    from trainmech import profiles, workload
+    from trainmech.checks import rel_error
+
+    spec = profiles.load("TRAIN-CPU").model(model)
+    built = workload.build_model(spec, seed=seed, attn_implementation=attn_implementation)
+    layer, config = built.model.model.layers[0], built.model.config
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, config.hidden_size, generator=gen)  # (B, T, C)
+    grad_out = torch.randn(batch, seq, config.hidden_size, generator=gen)  # (B, T, C) upstream gradient
+    cos, sin = rope_cos_sin(config, seq)
+    params = layer_params(layer)
+    mask = None if attn_implementation == "sdpa" else torch.full((seq, seq), float("-inf")).triu(1)[None, None]
+
+    def by_hand():
+        _, saved = layer_forward(x, params, cos, sin, config)
+        start = time.perf_counter()
+        grads = layer_backward(saved, grad_out)
+        return time.perf_counter() - start, grads
+
+    def by_autograd():
+        layer.zero_grad(set_to_none=True)
+        x_leaf = x.clone().requires_grad_(True)
+        out = layer(x_leaf, attention_mask=mask, position_embeddings=(cos[None], sin[None]))
+        start = time.perf_counter()
+        out.backward(grad_out)
+        seconds = time.perf_counter() - start
+        return seconds, (x_leaf.grad, {name: p.grad for name, p in layer.named_parameters()})
+
+    _, (dx, dparams) = by_hand()
+    _, (ref_dx, ref_dparams) = by_autograd()
+    worst = max(rel_error(dx, ref_dx)[1], *(rel_error(dparams[n], ref_dparams[n])[1] for n in ref_dparams))
+    if not worst <= 1e-4:
+        raise RuntimeError(f"correctness gate failed: relative gradient error {worst:.1e} > 1e-4; timing skipped")
+
+    times = {"by_hand": [], "autograd": []}
+    for i in range(warmup + repeats):
+        pair = [("by_hand", by_hand), ("autograd", by_autograd)]
+        for name, fn in pair if i % 2 == 0 else pair[::-1]:
+            seconds, _ = fn()
+            if i >= warmup:
+                times[name].append(seconds)
+    result = {name: statistics.median(ts) for name, ts in times.items()}
+    result["ratio"] = result["by_hand"] / result["autograd"]
+    fastest = {name: min(ts) for name, ts in times.items()}  # the least disturbed repeat: robust on a busy machine
+    print(f"one Qwen2 decoder layer backward: {spec.model_id} (hidden {config.hidden_size}, heads "
+          f"{config.num_attention_heads}/{config.num_key_value_heads}, intermediate {config.intermediate_size}), "
+          f"batch {batch} x seq {seq}, float32, CPU, {torch.get_num_threads()} threads, attention {attn_implementation}")
+    print(f"correctness gate: dx and {len(ref_dparams)} parameter grads within 1e-4 of autograd (worst {worst:.1e})")
+    print(f"{repeats} interleaved repeats after {warmup} warm-up; forwards untimed")
+    print(f"  by hand  (layer_backward)     median {result['by_hand'] * 1e3:8.3f} ms   fastest {fastest['by_hand'] * 1e3:8.3f} ms")
+    print(f"  autograd (HF layer .backward) median {result['autograd'] * 1e3:8.3f} ms   fastest {fastest['autograd'] * 1e3:8.3f} ms")
+    print(f"  ratio by hand / autograd      median {result['ratio']:.2f}   fastest {fastest['by_hand'] / fastest['autograd']:.2f}")
+    return result
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m trainmech.vjp_qwen2",
+                                     description="Hand-written Qwen2 backward: benchmark against autograd.")
+    parser.add_argument("--benchmark", action="store_true", help="time one layer's backward, by hand vs autograd")
+    parser.add_argument("--model", default="qwen2-small", help="a TRAIN-CPU profile model (default qwen2-small)")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="the HF layer's attention")
+    args = parser.parse_args()
+    if not args.benchmark:
+        parser.error("nothing to do: pass --benchmark")
+    benchmark(args.model, args.batch, args.seq, args.repeats, args.warmup, attn_implementation=args.attn)

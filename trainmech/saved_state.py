@@ -1,0 +1,337 @@
+"""Autograd's side of Task2's comparisons: the VJP it computes, and the tensors it saves for it.
+
+    run = autograd_vjp(fn, inputs, grad_out, references=(weight,))
+    run.out, run.grads          # fn(*inputs) and d<out, grad_out>/d input, one per input
+    run.saved, run.saved_bytes  # what autograd kept for that backward (SavedTensor rows, bytes)
+
+    with measure(root=layer, references=layer.parameters()) as m:
+        out = layer(x, ...)
+    m.find_consumers(out)       # before backward: which backward node reads each saved tensor
+    m.saved, m.saved_bytes      # distinct saved storages; parameters excluded from the bytes
+    m.activations               # every new storage the forward's ATen ops created, saved or not
+
+How it is measured. `torch.autograd.graph.saved_tensors_hooks` calls a pack hook for every tensor
+an autograd node keeps for its backward; the hook notes it and hands back a detached alias of the
+same memory, so backward is unchanged. A TorchDispatchMode sees every ATen op of the forward; an
+op output whose storage did not exist before is an activation (views and no-op casts reuse their
+input's storage and are not). Tensors are identified by storage (device + data pointer of
+`untyped_storage()`): a saved view costs the storage it keeps alive, counted once however many
+nodes save it. Every storage seen is held until the block ends, so no address is reused inside it;
+addresses are used as keys only, never printed. `references` (the parameters) are saved by
+reference: listed, but their bytes are not new memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from trainmech import graph
+from trainmech.checks import ClaimFailed, close
+
+__all__ = ["SavedTensor", "Activation", "Measurement", "measure", "AutogradVJP", "autograd_vjp",
+           "compare_vjp", "storage_bytes", "storage_summary", "describe", "format_table", "saved_table", "activation_table"]
+
+
+def _key(t: torch.Tensor) -> tuple[str, int]:
+    """A storage's identity while it is alive: (device, data pointer). Never shown to a reader."""
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def _flat_tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a tensor / dict / list / tuple nest (e.g. a composed op's saved dict)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _flat_tensors(item)]
+    return []
+
+
+def storage_summary(obj, references=()) -> tuple[int, int, int]:
+    """(new storages, reference storages, new bytes) of the tensors in `obj` (a tensor or a nest of
+    them, e.g. our saved dict), each storage once; storages shared with `references` are not new."""
+    refs = {_key(t) for t in references}
+    sizes = {_key(t): t.untyped_storage().nbytes() for t in _flat_tensors(obj)}
+    new = [n for k, n in sizes.items() if k not in refs]
+    return len(new), len(sizes) - len(new), sum(new)
+
+
+def storage_bytes(obj, references=()) -> int:
+    """The new bytes of `storage_summary`: the measure `Measurement.saved_bytes` applies to what
+    autograd saves, so the two sides of a comparison count alike."""
+    return storage_summary(obj, references)[2]
+
+
+@dataclass
+class SavedTensor:
+    """One storage autograd saved for backward."""
+
+    shape: tuple[int, ...]  # of the first view saved
+    dtype: torch.dtype
+    nbytes: int  # bytes of the storage kept alive
+    reference: bool  # shares memory with a `references` tensor (a parameter): no new bytes
+    times: int = 1  # how many saves (nodes) point at this storage
+    consumers: tuple[str, ...] = ()  # backward node kinds that read it (see find_consumers)
+    key: tuple[str, int] = field(default=("", 0), repr=False)
+
+
+@dataclass
+class Activation:
+    """One new storage created by an ATen op of the forward."""
+
+    where: str  # module path under `root`, the root's class name, or the trainmech.vjp* function
+    op: str  # the ATen op, e.g. "addmm"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    saved: bool  # whether autograd saved this storage for backward
+    key: tuple[str, int] = field(default=("", 0), repr=False)
+
+
+class _Recorder(TorchDispatchMode):
+    """Notes every op output whose storage is new, with where in the model it was made."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+        self.known: set[tuple[str, int]] = set()
+        self.rows: list[Activation] = []
+        self.held: list[torch.Tensor] = []  # keeps every storage alive: no address reuse in the block
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                self.known.add(_key(t))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0 and _key(t) not in self.known:
+                self.known.add(_key(t))
+                self.held.append(t)
+                name = func.overloadpacket.__name__
+                self.rows.append(Activation(self.where(), name, tuple(t.shape), t.dtype,
+                                            t.untyped_storage().nbytes(), False, _key(t)))
+        return out
+
+
+def _vjp_function() -> str:
+    """The innermost trainmech.vjp* function on the Python stack (labels ops of our own forward)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("trainmech.vjp"):
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return "-"
+
+
+class Measurement:
+    """What one forward created and what autograd saved from it; see the module docstring."""
+
+    def __init__(self, root: torch.nn.Module | None = None, references=()):
+        self.root = root
+        self.references = {_key(t) for t in references}
+        self._saved: dict[tuple[str, int], SavedTensor] = {}
+        self.activations: list[Activation] = []
+        self._stack: list[str] = []
+        self._names = {id(m): name for name, m in root.named_modules()} if root is not None else {}
+
+    # -- saved tensors ------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        k = _key(t)
+        if k in self._saved:
+            self._saved[k].times += 1
+        else:
+            self._saved[k] = SavedTensor(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(),
+                                         k in self.references, key=k)
+        return t.detach()  # the same memory without grad_fn: no reference cycle through the graph
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @property
+    def saved(self) -> list[SavedTensor]:
+        """One row per distinct saved storage, in the order autograd first saved it."""
+        return list(self._saved.values())
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of the saved storages that are not references (new memory kept for backward)."""
+        return sum(s.nbytes for s in self._saved.values() if not s.reference)
+
+    def summary(self) -> tuple[int, int, int]:
+        """(new storages, parameter storages, new bytes) saved: the same count as `storage_summary`."""
+        refs = sum(s.reference for s in self._saved.values())
+        return len(self._saved) - refs, refs, self.saved_bytes
+
+    def find_consumers(self, *outputs: torch.Tensor) -> None:
+        """Fill SavedTensor.consumers: walk the graph from `outputs` (before backward frees it) and
+        read each node's `_saved_*` attributes (`saved_tensors` for a custom autograd.Function).
+        Raises if a saved storage is found in no node."""
+        found: dict[tuple[str, int], list[str]] = {}
+        seen = set()
+        for out in outputs:
+            for node in graph.nodes(out):
+                if node in seen:
+                    continue
+                seen.add(node)
+                for attr in dir(node):
+                    if not (attr.startswith("_saved_") or attr == "saved_tensors"):
+                        continue
+                    for t in _flat_tensors(getattr(node, attr)):
+                        found.setdefault(_key(t), []).append(type(node).__name__)
+        for k, row in self._saved.items():
+            if k not in found:
+                raise RuntimeError(f"a saved tensor of shape {row.shape} was not found in the graph")
+            row.consumers = tuple(sorted(found[k]))
+
+    # -- activations --------------------------------------------------------------------------
+
+    def _where(self) -> str:
+        if self._stack:
+            return self._stack[-1] or type(self.root).__name__
+        return _vjp_function()
+
+    def consumers_of(self, activation: Activation) -> tuple[str, ...]:
+        """The backward nodes that read this activation (empty when autograd did not save it)."""
+        row = self._saved.get(activation.key)
+        return row.consumers if row is not None else ()
+
+    def not_created_here(self) -> list[SavedTensor]:
+        """Saved storages that no op of the block created: its inputs, constants and parameters."""
+        made = {a.key for a in self.activations}
+        return [row for row in self._saved.values() if row.key not in made]
+
+    def activations_saved_by(self, saved) -> list[Activation]:
+        """The activations again, with `saved` telling whether our hand-written `saved` (a dict /
+        nest of tensors, alive since the block) holds that storage instead of autograd."""
+        keys = {_key(t) for t in _flat_tensors(saved)}
+        return [replace(a, saved=a.key in keys) for a in self.activations]
+
+    # -- the block ----------------------------------------------------------------------------
+
+    def __enter__(self) -> "Measurement":
+        def pre(module, args):
+            if id(module) in self._names:
+                self._stack.append(self._names[id(module)])
+
+        def post(module, args, out):
+            if id(module) in self._names and self._stack:
+                self._stack.pop()
+
+        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+                         torch.nn.modules.module.register_module_forward_hook(post, always_call=True)]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._recorder = _Recorder(self._where)
+        self._hooks.__enter__()
+        self._recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._recorder.__exit__(*exc)
+            self._hooks.__exit__(*exc)
+        finally:
+            for h in self._handles:
+                h.remove()
+        self.activations = [replace(a, saved=a.key in self._saved) for a in self._recorder.rows]
+        self._recorder.held.clear()  # storages nothing else holds may go now
+        return False
+
+
+def measure(root: torch.nn.Module | None = None, references=()) -> Measurement:
+    """A block that measures one forward: see the module docstring. `root` names the modules."""
+    return Measurement(root, references)
+
+
+# ----------------------------------------------------------------------------------------------
+# one op: autograd's VJP and what it saved
+
+
+@dataclass
+class AutogradVJP:
+    out: torch.Tensor
+    grads: tuple[torch.Tensor | None, ...]  # one per input; None for integer / None / constant inputs
+    saved: list[SavedTensor]
+    saved_bytes: int  # references excluded
+
+
+def autograd_vjp(fn, inputs, grad_out, *, constants=(), references=()) -> AutogradVJP:
+    """fn(*inputs) under autograd, then the `(out * grad_out).sum().backward()` trick: the gradient
+    of <out, grad_out> with respect to each input IS the VJP grad_out^T J.
+
+    Float inputs become leaves that share the caller's memory (so `references`, e.g. the weights,
+    are recognised); inputs at the indices in `constants` (rope's cos / sin) get no gradient.
+    """
+    leaves = [t.detach().requires_grad_(True)
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constants else t
+              for i, t in enumerate(inputs)]
+    with measure(references=references) as m:
+        out = fn(*leaves)
+    m.find_consumers(out)
+    (out * grad_out).sum().backward()
+    grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves)
+    return AutogradVJP(out.detach(), grads, m.saved, m.saved_bytes)
+
+
+def compare_vjp(name: str, out: torch.Tensor, grads, run: AutogradVJP, *, rtol: float,
+                input_names=None) -> tuple[float, float]:
+    """One `close` line for the output and for each input gradient (ours vs autograd's); raises on
+    a mismatch or where one side has a gradient and the other has not. Returns (max |Δ| of the
+    output, max |Δ| over the gradients)."""
+    input_names = input_names or [f"d{i}" for i in range(len(run.grads))]
+    out_err = close(f"{name}.out", out, run.out, rtol=rtol)
+    grad_err = 0.0
+    for label, ours, ref in zip(input_names, grads, run.grads):
+        if (ours is None) != (ref is None):
+            raise ClaimFailed(f"{name}.{label}: one side has a gradient, the other has none")
+        if ref is not None:
+            grad_err = max(grad_err, close(f"{name}.{label}", ours, ref, rtol=rtol))
+    return out_err, grad_err
+
+
+def describe(saved) -> str:
+    """One line naming what a hand-written `saved` dict holds: 'x (2, 16, 64) · weight (64,) · dim=-1'."""
+    parts = [f"{k} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"{k}={v!r}" for k, v in saved.items()]
+    return " · ".join(parts)
+
+
+def format_table(header: list[str], rows: list[list]) -> str:
+    """A plain-text table with columns padded to their widest cell (numbers right-aligned)."""
+    cells = [[str(c) for c in header]] + [[f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else str(c)
+                                           for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    numeric = [all(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in rows) for i in range(len(header))]
+    lines = []
+    for j, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if numeric[i] and j else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def saved_table(rows: list[SavedTensor]) -> str:
+    """What autograd saved, one line per storage: shape, dtype, bytes (0 for a parameter: saved by
+    reference), how many nodes saved it, and the backward nodes that read it."""
+    return format_table(
+        ["shape", "dtype", "new bytes", "saves", "read by (backward nodes)"],
+        [[r.shape, _short(r.dtype), 0 if r.reference else r.nbytes, r.times,
+          ", ".join(r.consumers) + ("  [parameter]" if r.reference else "")] for r in rows])
+
+
+def activation_table(m: Measurement) -> str:
+    """Every activation of a measured forward: where it was made, by which ATen op, its shape and
+    bytes, and which backward nodes read it ('-' = never saved)."""
+    return format_table(
+        ["where", "op", "shape", "bytes", "read by (backward nodes)"],
+        [[a.where, a.op, a.shape, a.nbytes, ", ".join(m.consumers_of(a)) or "-"] for a in m.activations])
