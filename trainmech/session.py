@@ -177,8 +177,11 @@ def start(
     device = torch.device("cuda", torch.cuda.current_device()) if profile.device == "cuda" else torch.device("cpu")
     seed_everything(seed)
     if device.type == "cpu":
-        # CPU mode is the reference run: same inputs, same outputs, bit for bit.
+        # CPU mode is the reference run: same inputs, same outputs, bit for bit, on any machine.
+        # One intra-op thread makes float reductions independent of the core count (and the small
+        # CPU models gain nothing from more threads).
         torch.use_deterministic_algorithms(True)
+        torch.set_num_threads(1)
     if results_dir is None:
         results_dir = os.environ.get(RESULTS_ENV) or REPO_ROOT / "results" / run_label
     return Session(

@@ -1,0 +1,195 @@
+"""Task3 · update: the update clock, the WSD schedule and its boundaries, clipping, displacement, resumable state."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainmech import update
+from trainmech.errors import TrainmechError
+
+SHAPES = st.sampled_from(update.SCHEDULE_SHAPES)
+
+
+def transformers_lambda(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type):
+    """transformers' own WSD multiplier, read from the LambdaLR it builds (no stepping needed)."""
+    from transformers import get_wsd_schedule
+
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = get_wsd_schedule(dummy, num_warmup_steps=warmup, num_stable_steps=stable, num_decay_steps=decay,
+                             warmup_type=warmup_type, decay_type=decay_type, min_lr_ratio=min_lr_ratio)
+    return sched.lr_lambdas[0]
+
+
+# ---------------------------------------------------------------- the update clock
+
+
+@given(st.lists(st.booleans(), max_size=40))
+def test_clock_advances_only_on_effective_updates(outcomes):
+    clock = update.UpdateClock()
+    for stepped in outcomes:
+        before = clock.effective_updates
+        assert clock.tick(stepped) is stepped
+        assert clock.effective_updates == before + int(stepped)
+    assert clock.effective_updates == sum(outcomes)
+    assert clock.skipped_updates == len(outcomes) - sum(outcomes)
+    assert clock.attempts == len(outcomes)
+    again = update.UpdateClock()
+    again.load_state_dict(clock.state_dict())
+    assert again == clock
+
+
+def test_step_if_finite_skips_a_nan_gradient_and_leaves_everything_unchanged():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    w.grad = torch.tensor([0.5, -0.5])
+    assert update.step_if_finite(opt)
+    theta, state = w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
+    w.grad = torch.tensor([float("nan"), 1.0])
+    assert not update.step_if_finite(opt)
+    assert torch.equal(w.detach(), theta)
+    assert all(torch.equal(opt.state[w][k], v) for k, v in state.items())
+
+
+# ---------------------------------------------------------------- the WSD schedule
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6), st.sampled_from([0.0, 0.1, 0.25]), SHAPES, SHAPES)
+def test_wsd_equals_transformers_at_every_step(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type):
+    theirs = transformers_lambda(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type)
+    kw = dict(warmup_steps=warmup, stable_steps=stable, decay_steps=decay, min_lr_ratio=min_lr_ratio,
+              warmup_type=warmup_type, decay_type=decay_type)
+    for step in range(warmup + stable + decay + 3):
+        assert update.wsd_multiplier(step, **kw) == theirs(step), step
+
+
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(2, 8), st.sampled_from([0.0, 0.1]), SHAPES, SHAPES)
+def test_wsd_boundaries(warmup, stable, decay, floor, warmup_type, decay_type):
+    kw = dict(warmup_steps=warmup, stable_steps=stable, decay_steps=decay, min_lr_ratio=floor,
+              warmup_type=warmup_type, decay_type=decay_type)
+    m = lambda s: update.wsd_multiplier(s, **kw)
+    phases = dict(warmup_steps=warmup, stable_steps=stable, decay_steps=decay)
+    assert m(0) == floor  # every warmup shape starts at the floor
+    assert m(warmup - 1) < 1.0 or warmup == 1 and floor == 1.0
+    assert m(warmup) == 1.0 and update.wsd_phase(warmup, **phases) == "stable"
+    assert update.wsd_phase(warmup - 1, **phases) == "warmup"
+    assert m(warmup + stable - 1) == 1.0 and m(warmup + stable) == 1.0  # decay starts from the top
+    assert update.wsd_phase(warmup + stable, **phases) == "decay"
+    assert floor < m(warmup + stable + decay - 1) < 1.0
+    assert m(warmup + stable + decay) == floor == m(warmup + stable + decay + 10)
+    assert update.wsd_phase(warmup + stable + decay, **phases) == "after"
+    assert all(m(s) <= m(s + 1) for s in range(warmup))
+    assert all(m(s) >= m(s + 1) for s in range(warmup + stable, warmup + stable + decay))
+
+
+def test_wsd_refuses_bad_arguments():
+    with pytest.raises(TrainmechError, match="≥ 0"):
+        update.wsd_multiplier(-1, warmup_steps=1, stable_steps=1, decay_steps=1)
+    with pytest.raises(TrainmechError, match="unknown schedule shape"):
+        update.wsd_multiplier(5, warmup_steps=1, stable_steps=1, decay_steps=1, decay_type="exp")
+
+
+def test_set_lr_writes_base_times_multiplier():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    update.set_lr(opt, [0.5], 0.25)
+    assert opt.param_groups[0]["lr"] == 0.125
+
+
+# ---------------------------------------------------------------- clipping and displacement
+
+
+@given(st.floats(0.01, 100.0), st.floats(0.1, 10.0))
+def test_clip_coefficient_is_what_clip_grad_norm_applies(scale, max_norm):
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    p.grad = torch.tensor([3.0, 0.0, 4.0], dtype=torch.float64) * scale
+    original = p.grad.clone()
+    norm = float(torch.nn.utils.clip_grad_norm_([p], max_norm))
+    coef = update.clip_coefficient(norm, max_norm)
+    assert coef <= 1.0
+    assert torch.allclose(p.grad, original * coef, rtol=1e-12)
+    assert (coef < 1.0) == (norm > max_norm - 1e-6)
+
+
+def test_displacement_is_the_l2_norm_of_the_change():
+    model = torch.nn.Linear(2, 2)
+    before = update.snapshot(model)
+    with torch.no_grad():
+        model.weight[0, 0] += 3.0
+        model.bias[1] -= 4.0
+    assert update.displacement(before, model) == pytest.approx(5.0, rel=1e-6)
+    assert update.displacement(update.snapshot(model), model) == 0.0
+
+
+# ---------------------------------------------------------------- resumable state
+
+
+def toy_training(model, opt, scaler, clock, position, n):
+    """n scaled updates whose data depend on torch's RNG (so the RNG state matters for a resume)."""
+    for _ in range(n):
+        x = torch.randn(4, 3)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(model(x).pow(2).mean()).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        clock.tick(scaler.get_scale() >= before)
+        position += 4
+    return position
+
+
+def fresh(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2), update.UpdateClock()
+
+
+def run_with_checkpoint(folder, first, total):
+    """`total` updates, a checkpoint written after `first`; returns (fields, what was saved, final parameters)."""
+    model, opt, scaler, clock = fresh()
+    torch.manual_seed(123)
+    random.seed(7)
+    np.random.seed(7)
+    position = toy_training(model, opt, scaler, clock, 0, first)
+    fields = update.save_training_state(folder, model=model, optimizer=opt, scaler=scaler, clock=clock,
+                                        data_position=position)
+    saved = {"clock": update.UpdateClock(**clock.state_dict()), "position": position, "scaler": scaler.state_dict(),
+             "params": update.snapshot(model), "python": random.random(), "numpy": np.random.rand()}
+    toy_training(model, opt, scaler, clock, position, total - first)  # saving read the state only
+    return fields, saved, update.snapshot(model)
+
+
+def test_checkpoint_round_trip_and_bitwise_resume(tmp_path):
+    fields, saved, uninterrupted = run_with_checkpoint(tmp_path, 3, 6)
+    assert set(fields) == {"model", "optimizer", "scaler", "update_clock", "rng", "data_position"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [update.MODEL_FILE, update.STATE_FILE]
+
+    model, opt, scaler, _ = fresh(seed=99)  # a different process: other weights, other RNG
+    random.seed(0)
+    clock, position = update.load_training_state(tmp_path, model=model, optimizer=opt, scaler=scaler)
+    assert (clock, position) == (saved["clock"], saved["position"]) and position == 12
+    assert scaler.state_dict() == saved["scaler"]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved["params"]))
+    assert random.random() == saved["python"] and np.random.rand() == saved["numpy"]
+    toy_training(model, opt, scaler, clock, position, 3)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), uninterrupted))
+    assert clock.attempts == 6
+
+
+def test_resume_without_the_rng_state_diverges(tmp_path):
+    _, saved, uninterrupted = run_with_checkpoint(tmp_path, 2, 4)
+    model, opt, scaler, _ = fresh(seed=5)
+    clock, position = update.load_training_state(tmp_path, model=model, optimizer=opt, scaler=scaler, restore_rng=False)
+    toy_training(model, opt, scaler, clock, position, 2)
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), uninterrupted))
+
+
+def test_load_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
+    model, opt, scaler, _ = fresh()
+    with pytest.raises(TrainmechError, match="not a training checkpoint"):
+        update.load_training_state(tmp_path, model=model, optimizer=opt, scaler=scaler)

@@ -1,0 +1,286 @@
+"""Effective updates: the update clock, the WSD schedule, clipping, displacement, resumable state.
+
+An effective update is an attempt whose gradients were finite and whose optimizer step really
+wrote the parameters. The `UpdateClock` counts only those; the scheduler, logging and
+evaluation read their step from it, so a skipped attempt (an FP16 overflow, a non-finite
+gradient) or a micro-batch never moves them. `save_training_state` / `load_training_state`
+write and read everything a resume needs with safetensors (tensors plus JSON metadata; nothing
+is pickled).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainmech.errors import TrainmechError
+
+SCHEDULE_SHAPES = ("linear", "cosine", "1-sqrt")
+
+
+# ----------------------------------------------------------------------------- the update clock
+
+
+@dataclass
+class UpdateClock:
+    """Counts update attempts, effective updates and skipped updates.
+
+    `tick(stepped)` after every attempt; `effective_updates` is the step a scheduler, a logger or
+    an evaluation should see.
+    """
+
+    effective_updates: int = 0
+    skipped_updates: int = 0
+
+    @property
+    def attempts(self) -> int:
+        return self.effective_updates + self.skipped_updates
+
+    def tick(self, stepped: bool) -> bool:
+        """Advance on an effective update, count a skip otherwise; returns stepped."""
+        if stepped:
+            self.effective_updates += 1
+        else:
+            self.skipped_updates += 1
+        return bool(stepped)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"effective_updates": self.effective_updates, "skipped_updates": self.skipped_updates}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.effective_updates = int(state["effective_updates"])
+        self.skipped_updates = int(state["skipped_updates"])
+
+
+def grads_finite(params) -> bool:
+    """True when every existing .grad is free of inf and NaN (parameters without .grad are ignored)."""
+    return all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer) -> bool:
+    """optimizer.step() only when every gradient it would read is finite; returns whether it stepped.
+
+    Without such a guard (or a GradScaler) a single NaN gradient is written into the parameters.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not grads_finite(params):
+        return False
+    optimizer.step()
+    return True
+
+
+# ----------------------------------------------------------------------------- the WSD schedule
+
+
+def _shape(kind: str, progress: float, rising: bool) -> float:
+    """The warmup (rising) or decay (falling) curve at progress in [0, 1), as transformers writes it."""
+    if kind not in SCHEDULE_SHAPES:
+        raise TrainmechError(f"unknown schedule shape {kind!r}; valid: {', '.join(SCHEDULE_SHAPES)}")
+    if rising:
+        if kind == "linear":
+            return progress
+        if kind == "cosine":
+            return 0.5 * (1.0 - math.cos(math.pi * progress))
+        return 1.0 - math.sqrt(1.0 - progress)
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))  # half a cosine wave
+    return 1.0 - math.sqrt(progress)
+
+
+def wsd_multiplier(
+    step: int,
+    *,
+    warmup_steps: int,
+    stable_steps: int,
+    decay_steps: int,
+    min_lr_ratio: float = 0.0,
+    warmup_type: str = "linear",
+    decay_type: str = "cosine",
+) -> float:
+    """The Warmup-Stable-Decay learning-rate multiplier at update `step` (0-based, from the clock).
+
+    warmup: [0, W) rises from min_lr_ratio towards 1; stable: [W, W+S) is 1; decay:
+    [W+S, W+S+D) falls from 1 towards min_lr_ratio; afterwards min_lr_ratio. The same value
+    transformers' `get_wsd_schedule` gives for the same arguments (num_cycles=0.5). Refuses a
+    negative step or phase length and an unknown shape.
+    """
+    if step < 0 or min(warmup_steps, stable_steps, decay_steps) < 0:
+        raise TrainmechError(
+            f"step and phase lengths must be ≥ 0 (step={step}, warmup={warmup_steps}, "
+            f"stable={stable_steps}, decay={decay_steps})"
+        )
+    for kind in (warmup_type, decay_type):
+        _shape(kind, 0.0, True)  # refuses an unknown shape whatever the step
+    if step < warmup_steps:
+        factor = _shape(warmup_type, float(step) / float(max(1, warmup_steps)), rising=True)
+        return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
+    if step < warmup_steps + stable_steps:
+        return 1.0
+    if step < warmup_steps + stable_steps + decay_steps:
+        progress = float(step - warmup_steps - stable_steps) / float(max(1, decay_steps))
+        factor = _shape(decay_type, progress, rising=False)
+        return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
+    return min_lr_ratio
+
+
+def wsd_phase(step: int, *, warmup_steps: int, stable_steps: int, decay_steps: int) -> str:
+    """"warmup", "stable", "decay" or "after" for update `step`."""
+    if step < warmup_steps:
+        return "warmup"
+    if step < warmup_steps + stable_steps:
+        return "stable"
+    return "decay" if step < warmup_steps + stable_steps + decay_steps else "after"
+
+
+def set_lr(optimizer: torch.optim.Optimizer, base_lrs: list[float], multiplier: float) -> None:
+    """Write base_lr * multiplier into every parameter group (what LambdaLR does, driven by the clock)."""
+    for group, base in zip(optimizer.param_groups, base_lrs):
+        group["lr"] = base * multiplier
+
+
+# ----------------------------------------------------------------------------- clipping, displacement
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor clip_grad_norm_ multiplies every gradient by: min(1, max_norm / (total_norm + 1e-6))."""
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Detached copies of every distinct parameter, in their own dtype and device: θ before an update."""
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def displacement(before: list[torch.Tensor], model: torch.nn.Module) -> float:
+    """‖θ_now − θ_before‖₂ over all parameters, accumulated in float64, for `before` from `snapshot`."""
+    total = sum(float((p.detach().double() - b.double()).pow(2).sum()) for p, b in zip(model.parameters(), before))
+    return math.sqrt(total)
+
+
+# ----------------------------------------------------------------------------- resumable state
+
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "training_state.safetensors"
+
+
+def _rng_state(device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    tensors = {"rng.torch_cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        tensors["rng.torch_cuda"] = torch.cuda.get_rng_state(device)
+    version, internal, gauss = random.getstate()
+    meta: dict[str, object] = {"python_random": [version, list(internal), gauss]}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        tensors["rng.numpy_keys"] = torch.from_numpy(keys.astype("int64"))
+        meta["numpy_random"] = [kind, pos, has_gauss, cached]
+    except ImportError:
+        pass
+    return tensors, meta
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) -> None:
+    torch.set_rng_state(tensors["rng.torch_cpu"])
+    if "rng.torch_cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["rng.torch_cuda"], device)
+    version, internal, gauss = meta["python_random"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy_random" in meta:
+        import numpy as np
+
+        kind, pos, has_gauss, cached = meta["numpy_random"]
+        np.random.set_state((kind, tensors["rng.numpy_keys"].numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def save_training_state(
+    folder: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    clock: UpdateClock,
+    data_position: int,
+) -> list[str]:
+    """Write a resumable checkpoint into `folder`; returns the fields it holds.
+
+    model.safetensors: the parameters and buffers (`safetensors.torch.save_model`, which keeps
+    one copy of a tied weight). training_state.safetensors: the optimizer's state tensors, the
+    RNG states as tensors, and JSON metadata (optimizer hyper-parameters, scaler, update clock,
+    data position, the Python and NumPy RNG). Nothing is pickled.
+    """
+    from safetensors.torch import save_file, save_model
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(folder / MODEL_FILE))
+    opt = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    plain_state: dict[str, dict[str, object]] = {}
+    for index, state in opt["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"optimizer.{index}.{key}"] = value.detach().contiguous().cpu()
+            else:
+                plain_state.setdefault(str(index), {})[key] = value
+    rng_tensors, rng_meta = _rng_state(next(model.parameters()).device)
+    tensors.update(rng_tensors)
+    meta = {
+        "optimizer_param_groups": opt["param_groups"],
+        "optimizer_plain_state": plain_state,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "update_clock": clock.state_dict(),
+        "data_position": int(data_position),
+        **rng_meta,
+    }
+    save_file(tensors, str(folder / STATE_FILE), metadata={k: json.dumps(v) for k, v in meta.items()})
+    return ["model", "optimizer", "scaler", "update_clock", "rng", "data_position"]
+
+
+def load_training_state(
+    folder: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    restore_rng: bool = True,
+) -> tuple[UpdateClock, int]:
+    """Read a checkpoint written by `save_training_state` into model, optimizer and scaler.
+
+    Restores the RNG states too (unless restore_rng=False, to show what that breaks). Returns
+    (update clock, data position). Refuses a folder without both files.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    folder = Path(folder)
+    if not (folder / MODEL_FILE).is_file() or not (folder / STATE_FILE).is_file():
+        raise TrainmechError(f"{folder} is not a training checkpoint: it needs {MODEL_FILE} and {STATE_FILE}")
+    device = next(model.parameters()).device
+    load_model(model, str(folder / MODEL_FILE), device=str(device))
+    with safe_open(str(folder / STATE_FILE), framework="pt") as f:
+        meta = {k: json.loads(v) for k, v in f.metadata().items()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    state: dict[int, dict[str, object]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optimizer."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = value
+    for index, plain in meta["optimizer_plain_state"].items():
+        state.setdefault(int(index), {}).update(plain)
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["optimizer_param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    if scaler is not None and meta["scaler"]:
+        scaler.load_state_dict(meta["scaler"])
+    if restore_rng:
+        _set_rng_state(tensors, meta, device)
+    clock = UpdateClock()
+    clock.load_state_dict(meta["update_clock"])
+    return clock, int(meta["data_position"])
