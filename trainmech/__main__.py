@@ -17,12 +17,15 @@ trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanic
   registry  print the experiment registry with each experiment's evidence status
   lint      check notebook prose against the glossary's writing rules
   refresh   re-execute the committed notebooks in place (maintainers, before committing)
+  ledger    the training-state ledger: state bytes, peak phase and its composition for a model
+            (see python -m trainmech ledger --help)
 
 Examples:
   python -m trainmech run                         # all notebooks, CPU mode, label "local"
   python -m trainmech run --only Task0 --label try1
   python -m trainmech run --mode TRAIN-CUDA-MECHANISM --label h200-2026-11-29
   python -m trainmech registry --label cpu-reference
+  python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512
 """
 
 
@@ -40,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainmech", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger}")
 
     run = sub.add_parser("run", help="execute the notebooks headless", description="Execute the Task notebooks headless with nbclient.")
     run.add_argument("--mode", default="cpu", help="run mode: cpu (default) or TRAIN-CUDA-MECHANISM (needs one CUDA GPU)")
@@ -56,12 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     ref = sub.add_parser("refresh", help="re-execute notebooks in place (maintainers)", description="Re-execute the committed notebooks with their default parameters (CPU) and store the outputs that nbval compares against.")
     ref.add_argument("--only", nargs="+", metavar="TaskN", help="refresh only these notebooks")
 
+    sub.add_parser("ledger", add_help=False, help="the training-state ledger calculator (its own --help)")
+
     lint = sub.add_parser("lint", help="glossary and prose rules", description="Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.")
     lint.add_argument("--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["ledger"]:  # the calculator parses its own options
+        from trainmech import ledger
+
+        return ledger.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

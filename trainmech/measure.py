@@ -14,6 +14,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -155,7 +156,6 @@ class StorageTracker(TorchDispatchMode):
                 self.allocations[index].tag = label
 
     def __enter__(self):
-        gc.collect()
         self._gc_was_enabled = gc.isenabled()
         gc.disable()  # no cycle collection mid-step: every release happens at the same event each run
         return super().__enter__()
@@ -217,8 +217,16 @@ class StepMemory:
     allocations: list[Allocation]
     live: list[int]
     phases: list[str]
-    peak_allocated_bytes: int | None = None
-    peak_reserved_bytes: int | None = None
+    peak_allocated_bytes: int | None = None  # torch.cuda.max_memory_allocated over the step
+    peak_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved over the step
+    outside_bytes: int | None = None  # CUDA: allocated bytes at the start that are not baseline (batch, other tensors)
+
+    @property
+    def step_peak_allocated_bytes(self) -> int | None:
+        """The allocator's peak minus what was on the device besides the baseline: comparable to peak_bytes."""
+        if self.peak_allocated_bytes is None or self.outside_bytes is None:
+            return None
+        return self.peak_allocated_bytes - self.outside_bytes
 
     @staticmethod
     def category(a: Allocation) -> str:
@@ -294,8 +302,8 @@ def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
         raise TrainmechError("training_step_memory needs p.grad = None before the step (zero_grad(set_to_none=True))")
     device = params[0].device
     baseline = {"parameters": _distinct_bytes(params), "optimizer_states": _distinct_bytes(_state_tensors(optimizer))}
-    if device.type == "cuda":
-        reset_cuda_peaks(device)
+    reset_cuda_peaks(device)
+    at_start = cuda_allocated(device)
     tracker = StorageTracker()
     handles = phase_hooks(model, tracker)
     try:
@@ -313,7 +321,38 @@ def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
     finally:
         for h in handles:
             h.remove()
-    return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases, **cuda_peaks(device))
+    outside = None if at_start is None else at_start - sum(baseline.values())
+    return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases, **cuda_peaks(device), outside_bytes=outside)
+
+
+@contextmanager
+def cuda_memory_history(device: torch.device, max_entries: int = 200_000):
+    """Record the CUDA caching allocator's history while the block runs (torch.cuda.memory._record_memory_history).
+
+    Yields a dict that is filled on exit: alloc_events, free_events, segments, reserved_bytes (the
+    segments' total size) and largest_segment_bytes. Off CUDA it stays empty: there is no such history.
+    """
+    summary: dict[str, int] = {}
+    if device.type != "cuda":
+        yield summary
+        return
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    try:
+        yield summary
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    traces = snapshot.get("device_traces", [])
+    events = traces[index] if index < len(traces) else []
+    segments = [seg for seg in snapshot.get("segments", []) if seg.get("device", index) == index]
+    summary.update(
+        alloc_events=sum(e.get("action") == "alloc" for e in events),
+        free_events=sum(e.get("action") == "free_completed" for e in events),
+        segments=len(segments),
+        reserved_bytes=sum(int(seg.get("total_size", 0)) for seg in segments),
+        largest_segment_bytes=max((int(seg.get("total_size", 0)) for seg in segments), default=0),
+    )
 
 
 def allocator_peak_cpu(fn: Callable[[], object]) -> int:

@@ -364,3 +364,45 @@ def grad_errors(names: list[str], errors: dict[str, list[float]], tolerances: di
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     return fig
+
+
+# ----------------------------------------------------------------------------- Task6: correctness gates
+
+
+def gate_errors(errors: dict[str, dict[str, float]], tolerances: dict[str, float]):
+    """Per-parameter gradient error against the reference run, one marker series per candidate
+    (log scale, parameters in model order), each candidate's tolerance as a dashed line."""
+    names = list(next(iter(errors.values())))
+    fig, (ax,) = _figure(1, 8.4, 3.6)
+    for (label, per_param), colour in zip(errors.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        ax.plot(range(len(names)), [max(per_param[n], 1e-18) for n in names], "o", ms=4, color=colour, label=label)
+        ax.axhline(tolerances[label], color=colour, ls="--", lw=0.8)
+    if len(names) <= 40:
+        ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
+    else:
+        ax.set(xlabel="parameter (model order)")
+    ax.set(yscale="log", ylabel="max|Δ| / max|g_reference|", title="gradients gate: every parameter vs the reference run")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def gate_matrix(rows: dict[str, list[bool | None]], gates: list[str]):
+    """Candidates × gates: ✓ passed (green), ✗ failed (red), · not run because an earlier gate failed."""
+    from matplotlib.patches import Rectangle
+
+    fig, (ax,) = _figure(1, 1.1 * len(gates) + 3.4, 0.36 * len(rows) + 0.9)
+    style = {True: ("tab:green", "✓"), False: ("tab:red", "✗"), None: ("lightgray", "·")}
+    for i, cells in enumerate(rows.values()):
+        for j, passed in enumerate(cells):
+            colour, mark = style[passed]
+            ax.add_patch(Rectangle((j + 0.03, i + 0.05), 0.94, 0.9, color=colour, alpha=0.85))
+            ax.text(j + 0.5, i + 0.5, mark, ha="center", va="center", color="white", fontsize=10)
+    ax.set(xlim=(0, len(gates)), ylim=(len(rows), 0))
+    ax.set_xticks([j + 0.5 for j in range(len(gates))], gates)
+    ax.set_yticks([i + 0.5 for i in range(len(rows))], list(rows), fontsize=8)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    return fig

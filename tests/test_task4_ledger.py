@@ -1,0 +1,245 @@
+"""Task4: the training-state ledger — published formulas, state bytes, prediction vs measurement, the calculator."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainmech import ledger, measure, profiles, workload
+from trainmech.errors import TrainmechError
+
+GB = 1e9
+
+# ----------------------------------------------------------------------------- published formulas
+
+
+def test_zero_paper_row_7_5b_params_64_devices():
+    # Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 -> 120 / 31.4 / 16.6 / 1.9 GB
+    got = [ledger.zero_bytes_per_device(7.5e9, 64, stage) / GB for stage in range(4)]
+    assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
+    assert got == pytest.approx([120.0, 31.40625, 16.640625, 1.875], rel=1e-12)
+
+
+def test_zero_one_device_is_unpartitioned_and_refusals():
+    for stage in range(4):
+        assert ledger.zero_bytes_per_device(1e6, 1, stage) == pytest.approx(16e6)
+    with pytest.raises(TrainmechError, match="stage"):
+        ledger.zero_bytes_per_device(1e6, 8, 4)
+    with pytest.raises(TrainmechError):
+        ledger.zero_bytes_per_device(1e6, 0, 1)
+
+
+def test_korthikanti_table_2_and_worked_ratios():
+    s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B
+    sbh = s * b * h
+    assert 5 * a * s / h == 80  # "5as/h ≈ 80 for GPT-3"
+    assert ledger.korthikanti_activation_bytes(s, b, h, a) == pytest.approx(sbh * (34 + 80))
+    assert ledger.korthikanti_activation_bytes(s, b, h, a, t=8) == pytest.approx(sbh * (10 + 24 / 8 + 80 / 8))
+    sp = ledger.korthikanti_activation_bytes(s, b, h, a, t=8, sequence_parallel=True)
+    assert sp == pytest.approx(sbh * (34 + 80) / 8)
+    sel = ledger.korthikanti_activation_bytes(s, b, h, a, t=8, sequence_parallel=True, recompute="selective")
+    assert sel == pytest.approx(sbh * 34 / 8)
+    assert 1 - sel / sp == pytest.approx(0.70, abs=0.005)  # selective recompute: -70 % for GPT-3
+    assert ledger.korthikanti_activation_bytes(s, b, h, a, t=8, recompute="selective") == pytest.approx(sbh * (10 + 3))
+    assert ledger.korthikanti_activation_bytes(s, b, h, a, recompute="full") == pytest.approx(2 * sbh)
+    s2, h2, a2 = 2048, 20480, 128  # MT-NLG 530B: 5as/h = 64, selective recompute -65 %
+    full = ledger.korthikanti_activation_bytes(s2, 1, h2, a2, t=8, sequence_parallel=True)
+    part = ledger.korthikanti_activation_bytes(s2, 1, h2, a2, t=8, sequence_parallel=True, recompute="selective")
+    assert 5 * a2 * s2 / h2 == 64 and 1 - part / full == pytest.approx(0.65, abs=0.005)
+    with pytest.raises(TrainmechError, match="recompute"):
+        ledger.korthikanti_activation_bytes(s, b, h, a, recompute="partial")
+
+
+# ----------------------------------------------------------------------------- state bytes
+
+HAND = {  # small enough to count by hand
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 10, "hidden_size": 4,
+    "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "tie_word_embeddings": True, "hidden_act": "silu",
+}
+
+
+def test_category_bytes_on_a_hand_counted_config():
+    shape = ledger.model_shape(HAND)
+    # embed 10*4; q 4*4+4, k 2*4+2, v 2*4+2, o 4*4; mlp 3*8*4; two norms 2*4; final norm 4
+    n = 40 + 20 + 10 + 10 + 16 + 96 + 8 + 4
+    assert shape.n_params == n == 204
+    book = ledger.training_state_lifecycle(HAND, 1, 3, first_step=True)
+    got = book.state_bytes()
+    assert got["parameters"] == 4 * n and got["gradients"] == 4 * n
+    assert got["optimizer_states"] == 2 * 4 * n + 4 * len(shape.parameter_tensors())  # two moments + step counters
+    # one layer (b=1, s=3, h=4, heads 2 × d 2, 1 kv head, I=8), fp32: per norm x 12 + rsqrt 3 + normed 12 + out 12
+    # elements; q 12, k 6, v 6, sdpa out 12, logsumexp 2*3; mlp 4 × 24
+    elements = 2 * (12 + 3 + 12 + 12) + 12 + 6 + 6 + 12 + 6 + 4 * 24
+    assert sum(t.nbytes for t in ledger.layer_saved(shape, 1, 3)) == 4 * elements
+    bf16 = ledger.training_state_lifecycle(HAND, 1, 3, dtype="mixed-bf16", device="cuda").state_bytes()
+    assert bf16["parameters"] + bf16["gradients"] + bf16["optimizer_states"] == 16 * n  # ZeRO's 2 + 2 + K, K = 12
+
+
+def test_the_pinned_qwen2_5_0_5b_count_and_named_parameters_order():
+    assert ledger.model_shape("qwen2.5-0.5b").n_params == 494_032_768
+    spec = profiles.for_mode("cpu").model("qwen2-tiny")
+    model = workload.build_model(spec, seed=0).model
+    assert ledger.model_shape(model.config).parameter_tensors() == [(n, p.numel()) for n, p in model.named_parameters()]
+
+
+def test_lifecycle_semantics():
+    book = ledger.training_state_lifecycle("qwen2-tiny", 2, 16)
+    by_name = {s.name: s for s in book.states}
+    g = by_name["layer.0.mlp.down_proj.grad"]
+    assert (g.category, g.last_consumed, g.release) == ("gradients", "optimizer", "zero_grad")
+    assert by_name["lm_head.weight.grad"].category == "workspace"  # tied: waits in the engine for the embedding
+    assert by_name["layer.0.mlp.gate"].created == "forward.layer.0"
+    assert by_name["layer.0.mlp.gate"].release == "backward.layer.0:mlp"
+    assert by_name["layer.1.input_layernorm.x_fp32"].created == "forward.layer.0"  # the residual, kept by reference
+    peak = book.peak_overlap()
+    assert sum(peak.by_category.values()) == peak.bytes and set(peak.by_category) == set(ledger.CATEGORIES)
+
+
+def test_full_checkpointing_keeps_only_layer_inputs():
+    none = ledger.training_state_lifecycle("qwen2.5-0.5b", 4, 1024, device="cuda")
+    full = ledger.training_state_lifecycle("qwen2.5-0.5b", 4, 1024, device="cuda", checkpointing="full")
+    assert "backward.layer.0:recompute" in full.ticks
+    at_loss = {b: dict(b.live())["loss"]["saved"] for b in (none, full)}
+    assert at_loss[full] < at_loss[none] / 3
+    assert full.peak_overlap().bytes < none.peak_overlap().bytes
+
+
+def test_refusals_of_the_builder():
+    for kwargs, word in [({"dtype": "fp8"}, "recipe"), ({"optimizer": "lion"}, "optimizer"),
+                         ({"checkpointing": "some"}, "checkpointing"), ({"device": "tpu"}, "device")]:
+        with pytest.raises(TrainmechError, match=word):
+            ledger.training_state_lifecycle(HAND, 1, 3, **kwargs)
+    with pytest.raises(TrainmechError, match="positive"):
+        ledger.training_state_lifecycle(HAND, 0, 3)
+    with pytest.raises(TrainmechError, match="not a causal LM"):
+        ledger.model_shape({**HAND, "architectures": ["BertForMaskedLM"], "model_type": "bert"})
+
+
+# ----------------------------------------------------------------------------- prediction vs measurement
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_predicted_peak_within_5_percent_of_measured(dtype):
+    for c in ledger.measure_point("qwen2-tiny", 1, 32, dtype=dtype):
+        assert abs(c.error) <= 0.05, (c.step, c.predicted_peak, c.measured_peak)
+        assert c.predicted.peak_overlap().phase == c.measured.peak_phase
+
+
+def test_math_attention_kernel_keeps_the_s_squared_probabilities():
+    # what CUDA runs in fp32 with grouped-query attention; forced here on the CPU
+    assert ledger.attention_kernel(ledger.model_shape("qwen2.5-0.5b"), "fp32", "cuda") == "math"
+    assert ledger.attention_kernel(ledger.model_shape("qwen2.5-0.5b"), "bf16", "cuda") == "flash"
+    for c in ledger.measure_point("qwen2-tiny", 2, 64, attention="math"):
+        assert c.predicted.attention == "math"
+        assert abs(c.error) <= 0.05 and c.predicted.peak_overlap().phase == c.measured.peak_phase
+    rows = {t.name: t for t in ledger.layer_saved(ledger.model_shape("qwen2-tiny"), 2, 64, kernel="math")}
+    assert rows["self_attn.probs"].shape == (2, 4, 64, 64)
+
+
+def test_full_checkpointing_prediction_within_5_percent_of_measured():
+    spec = profiles.for_mode("cpu").model("qwen2-small")
+    model = workload.build_model(spec, seed=0).model
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    batch = workload.lm_batch("domain", 2, 128)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for first in (True, False):
+        measured = measure.training_step_memory(model, opt, batch)
+        predicted = ledger.training_state_lifecycle(model.config, 2, 128, checkpointing="full", first_step=first)
+        assert abs(predicted.peak_overlap().bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes
+        assert predicted.peak_overlap().phase == measured.peak_phase
+
+
+def test_every_state_crossing_a_phase_has_the_measured_lifecycle():
+    first, _ = ledger.measure_point("qwen2-tiny", 2, 32)
+    predicted = {}
+    for st in first.predicted.states:
+        if st.created == ledger.BEFORE:
+            continue
+        key = (st.category, ledger.phase_of(st.created), None if st.release == ledger.AFTER else ledger.phase_of(st.release))
+        if key[1] != key[2]:
+            predicted[key] = predicted.get(key, 0) + st.nbytes
+    measured = {k: v for k, v in first.measured.lifecycles().items() if k[1] != k[2]}
+    assert predicted == measured
+
+
+def test_the_tracker_agrees_with_the_allocator():
+    spec = profiles.for_mode("cpu").model("qwen2-tiny")
+    model = workload.build_model(spec, seed=0).model
+    batch = workload.lm_batch("domain", 2, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tracked = measure.training_step_memory(model, opt, batch)
+
+    def step():
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    allocator = measure.allocator_peak_cpu(step)
+    steady = measure.training_step_memory(model, opt, batch)
+    assert tracked.peak_allocated_bytes is None and tracked.peak_reserved_bytes is None  # unknown on CPU, not 0
+    assert allocator == pytest.approx(steady.peak_bytes - sum(steady.baseline.values()), rel=0.01)
+
+
+# ----------------------------------------------------------------------------- the calculator
+
+
+def _run(argv, capsys):
+    rc = ledger.main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_calculator_on_a_config_json_it_has_never_seen(tmp_path, capsys):
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 512,
+             "intermediate_size": 1376, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(llama))
+    rc, out, err = _run(["--config", str(path), "--batch", "2", "--seq", "256", "--json"], capsys)
+    assert rc == 0 and err == ""
+    got = json.loads(out)
+    assert set(got["by_category"]) == set(ledger.CATEGORIES)
+    assert got["peak_bytes"] == sum(got["by_category"].values()) > 0
+    assert got["n_params"] == 32000 * 512 * 2 + 3 * (512 * 512 * 2 + 256 * 512 * 2 + 3 * 512 * 1376 + 2 * 512) + 512
+    rc, out, _ = _run(["--config", str(tmp_path), "--batch", "2", "--seq", "256"], capsys)  # the folder works too
+    assert rc == 0 and "peak:" in out and "phase" in out
+
+
+def test_calculator_refusals_are_one_line(tmp_path, capsys):
+    bert = tmp_path / "bert.json"
+    bert.write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 768}))
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    cases = [
+        (["--config", str(tmp_path / "missing.json"), "--batch", "1", "--seq", "8"], "does not exist"),
+        (["--config", str(bert), "--batch", "1", "--seq", "8"], "not a causal LM"),
+        (["--config", str(gpt2), "--batch", "1", "--seq", "8"], "the ledger knows the decoder layout"),
+        (["--config", str(broken), "--batch", "1", "--seq", "8"], "not a JSON config"),
+        (["--config", "qwen2-tiny", "--batch", "-2", "--seq", "8"], "batch must be a positive integer"),
+        (["--config", "qwen2-tiny", "--batch", "1", "--seq", "0"], "seq must be a positive integer"),
+        (["--config", "qwen2-tiny", "--batch", "1", "--seq", "8", "--dtype", "int4"], "unknown dtype recipe"),
+        (["--config", "no-such-model", "--batch", "1", "--seq", "8"], "neither a config.json"),
+        (["--batch", "1"], "missing --config"),
+    ]
+    for argv, words in cases:
+        rc, out, err = _run(argv, capsys)
+        assert rc == 2 and out == "", argv
+        assert err.count("\n") == 1 and words in err and err.startswith("trainmech: error: "), (argv, err)
+
+
+def test_python_dash_m_trainmech_ledger(tmp_path):
+    run = [sys.executable, "-m", "trainmech", "ledger"]
+    ok = subprocess.run(run + ["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--device", "cuda"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "Qwen/Qwen2.5-0.5B" in ok.stdout and "494,032,768" in ok.stdout
+    bad = subprocess.run(run + ["--config", "qwen2-tiny", "--batch", "x", "--seq", "8"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
