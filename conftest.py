@@ -1,4 +1,7 @@
-"""Test-wide settings: records written while validating notebooks go to a throw-away folder."""
+"""Test-wide settings for every pytest run in this repository (unit tests and nbval alike).
+
+Records written while validating notebooks go to a throw-away folder, never into results/.
+"""
 
 import os
 import tempfile
