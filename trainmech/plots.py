@@ -397,7 +397,7 @@ def gate_matrix(rows: dict[str, list[bool | None]], gates: list[str]):
         for j, passed in enumerate(cells):
             colour, mark = style[passed]
             ax.add_patch(Rectangle((j + 0.03, i + 0.05), 0.94, 0.9, color=colour, alpha=0.85))
-            ax.text(j + 0.5, i + 0.5, mark, ha="center", va="center", color="white", fontsize=10)
+            ax.text(j + 0.5, i + 0.5, mark, ha="center", va="center", color="dimgray" if passed is None else "white", fontsize=10)
     ax.set(xlim=(0, len(gates)), ylim=(len(rows), 0))
     ax.set_xticks([j + 0.5 for j in range(len(gates))], gates)
     ax.set_yticks([i + 0.5 for i in range(len(rows))], list(rows), fontsize=8)

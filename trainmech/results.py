@@ -243,3 +243,21 @@ def registry_markdown(records: list[Record], run_label: str | None = None) -> st
     for sid in extra:
         lines.append(f"| {sid} / — | — | — | {evidence_status(by_id[sid])} | — |")
     return "\n".join(lines) + "\n"
+
+
+def runs_with_evidence(root: Path, level: str = "gpu-measured") -> dict[str, list[Record]]:
+    """{run label: its readable records} for each run folder under root holding at least one
+    record of this evidence level, labels sorted; unreadable records are left out (as the runner does)."""
+    if level not in EVIDENCE_LEVELS:
+        raise TrainmechError(f"unknown evidence level {level!r}; valid: {', '.join(EVIDENCE_LEVELS)}")
+    found: dict[str, list[Record]] = {}
+    for folder in sorted(p for p in Path(root).iterdir() if p.is_dir() and LABEL_RE.match(p.name) and not p.name.startswith(".")):
+        records = []
+        for path in record_paths(folder):
+            try:
+                records.append(read_record(path))
+            except TrainmechError:
+                continue
+        if any(r.conclusion.evidence_level == level for r in records):
+            found[folder.name] = records
+    return found

@@ -1,0 +1,204 @@
+"""The learner's reference pages (公式索引, 训练机制问题索引, 训练机制问题链) against the notebooks.
+
+Each page cites notebook cells in one machine-readable form, documented at the top of the page:
+
+    [Task3 · cell 27](../Task3_effective_updates.ipynb)
+
+K is the index into the notebook's ``cells`` list (0-based, markdown and code cells together). An
+inline code span that holds a check line (it starts with ``✓``, or ends in `` ok``, or says
+``bitwise equal``) quotes the committed output of the nearest cell reference before it on the same
+line; whitespace runs count as one space. So when a notebook changes, a page that cites it goes stale
+loudly: a missing notebook, a cell index past the end, or a quoted check line no longer printed there
+fails here. A placeholder ``（TaskN 页面完成后补充）`` is allowed only while that notebook is absent or
+has not been run (no code cell has an output); once it is committed with outputs, every page must cite
+it. Code spans naming ``trainmech.module.attr`` must name something the package defines (read with
+``ast``, nothing is imported). The pages must also pass the glossary lint. Reads JSON only: fast.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from trainmech.glossary import lint_paths
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+REFERENCE = NOTEBOOKS / "reference"
+PAGES = ("formulas.md", "troubleshooting.md", "problem_chain.md")
+TASKS = range(7)  # Task0 … Task6
+
+REF = re.compile(r"\[Task(\d) · cell (\d+)\]\((\.\./(Task(\d)_[A-Za-z0-9_]+\.ipynb))\)")
+LOOSE_REF = re.compile(r"Task\d\s*·\s*cell\s*\d+")
+CODE_SPAN = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)")
+PLACEHOLDER = re.compile(r"（Task(\d) 页面完成后补充）")
+PACKAGE_NAME = re.compile(r"trainmech(?:\.[A-Za-z_][A-Za-z0-9_]*)+(?:\(\))?")
+
+
+def _collapse(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _is_check_line(span: str) -> bool:
+    return span.startswith("✓") or span.endswith(" ok") or "bitwise equal" in span
+
+
+@functools.lru_cache(maxsize=None)
+def _notebook(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _outputs(cell: dict) -> str:
+    """The text a code cell printed (streams, and text/plain of results), whitespace collapsed."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out["text"] if isinstance(out["text"], str) else "".join(out["text"]))
+        elif "data" in out and "text/plain" in out["data"]:
+            text = out["data"]["text/plain"]
+            parts.append(text if isinstance(text, str) else "".join(text))
+    return _collapse("\n".join(parts))
+
+
+def _executed(nb: dict) -> bool:
+    return any(c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+
+
+def _task_notebook(task: int) -> Path | None:
+    found = sorted(NOTEBOOKS.glob(f"Task{task}_*.ipynb"))
+    return found[0] if found else None
+
+
+def _page(name: str) -> str:
+    return (REFERENCE / name).read_text(encoding="utf-8")
+
+
+def _spans(line: str) -> list[tuple[int, str]]:
+    """(position, content) of each inline code span; `\\|` (a pipe escaped for a table) reads as `|`."""
+    out = []
+    for m in CODE_SPAN.finditer(line):
+        content = m.group(2)
+        if content.startswith(" ") and content.endswith(" ") and content.strip():
+            content = content[1:-1]
+        out.append((m.start(), content.replace("\\|", "|")))
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_documents_the_reference_form(page):
+    text = _page(page)
+    head = text[: text.find("\n## ")] if "\n## " in text else text
+    assert "[TaskN · cell K](../TaskN_" in head, f"{page}: the top of the page must document the cell-reference form"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_cell_references_point_at_existing_cells(page):
+    text, problems, count = _page(page), [], 0
+    for lineno, line in enumerate(text.splitlines(), 1):
+        spans = [(m.start(), m.end()) for m in CODE_SPAN.finditer(line)]
+        refs = list(REF.finditer(line))
+        covered = [(m.start(), m.end()) for m in refs] + spans
+        for loose in LOOSE_REF.finditer(line):
+            if not any(a <= loose.start() < b for a, b in covered):
+                problems.append(f"line {lineno}: malformed cell reference {loose.group(0)!r}")
+        for m in refs:
+            count += 1
+            task, index, target, file_task = int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(5))
+            path = (REFERENCE / target).resolve()
+            nb = _notebook(path)
+            if task != file_task:
+                problems.append(f"line {lineno}: Task{task} label on {target}")
+            elif nb is None:
+                problems.append(f"line {lineno}: {target} does not exist")
+            elif index >= len(nb["cells"]):
+                problems.append(f"line {lineno}: {target} has {len(nb['cells'])} cells, no cell {index}")
+    assert count > 0, f"{page} cites no cell"
+    assert not problems, f"{page}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_quoted_check_lines_are_in_the_cited_cells_outputs(page):
+    text, problems, quoted = _page(page), [], 0
+    for lineno, line in enumerate(text.splitlines(), 1):
+        refs = list(REF.finditer(line))
+        for pos, span in _spans(line):
+            if not _is_check_line(span):
+                continue
+            quoted += 1
+            before = [m for m in refs if m.end() <= pos]
+            if not before:
+                problems.append(f"line {lineno}: check line quoted without a cell reference before it: {span!r}")
+                continue
+            ref = before[-1]
+            nb = _notebook((REFERENCE / ref.group(3)).resolve())
+            index = int(ref.group(2))
+            if nb is None or index >= len(nb["cells"]):
+                continue  # reported by test_cell_references_point_at_existing_cells
+            cell = nb["cells"][index]
+            if cell["cell_type"] != "code":
+                problems.append(f"line {lineno}: {ref.group(3)} cell {index} is {cell['cell_type']}, it prints nothing: {span!r}")
+            elif _collapse(span) not in _outputs(cell):
+                problems.append(f"line {lineno}: not in the outputs of {ref.group(3)} cell {index}: {span!r}")
+    assert quoted > 0, f"{page} quotes no check line"
+    assert not problems, f"{page}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_placeholders_only_for_notebooks_not_yet_run(page):
+    text = _page(page)
+    waiting = {int(m.group(1)) for m in PLACEHOLDER.finditer(text)}
+    cited = {int(m.group(1)) for m in REF.finditer(text)}
+    for task in TASKS:
+        path = _task_notebook(task)
+        nb = _notebook(path) if path else None
+        ready = nb is not None and _executed(nb)
+        if ready:
+            assert task not in waiting, f"{page}: placeholder for Task{task}, but {path.name} is committed with outputs: write its entries"
+            assert task in cited, f"{page}: {path.name} exists with outputs but the page never cites it"
+        else:
+            assert task in waiting, f"{page}: Task{task} has no run notebook yet: mark its place with （Task{task} 页面完成后补充）"
+
+
+def _defined(module: Path, names: list[str]) -> bool:
+    """Whether module (a .py file) defines names[0] at top level, and names[1:] inside it (class members)."""
+    body = ast.parse(module.read_text(encoding="utf-8")).body
+    for name in names:
+        found = None
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+                found = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                if any(isinstance(t, ast.Name) and t.id == name for t in flat):
+                    found = node
+        if found is None:
+            return False
+        body = getattr(found, "body", [])
+    return True
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_named_package_functions_exist(page):
+    missing = []
+    for line in _page(page).splitlines():
+        for _, span in _spans(line):
+            if not PACKAGE_NAME.fullmatch(span):
+                continue
+            parts = span.removesuffix("()").split(".")[1:]
+            module = ROOT / "trainmech" / f"{parts[0]}.py"
+            if not module.is_file() or (parts[1:] and not _defined(module, parts[1:])):
+                missing.append(span)
+    assert not missing, f"{page} names what trainmech does not define: {missing}"
+
+
+def test_pages_pass_the_glossary_lint():
+    findings = lint_paths([REFERENCE / p for p in PAGES], root=ROOT)
+    assert not findings, "\n".join(map(str, findings))
