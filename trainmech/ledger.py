@@ -670,8 +670,10 @@ def measure_point(model: str, batch: int, seq: int, *, run_mode: str = "cpu", se
     optimizer = torch.optim.AdamW(built.model.parameters(), lr=1e-4)
     shape = model_shape(built.model.config)
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    if tuple(steps) not in (("first",), ("first", "steady")):
+        raise TrainmechError(f"steps must be ('first',) or ('first', 'steady'), got {tuple(steps)!r}: a steady step needs a first one before it")
     out = []
-    for step in ("first", "steady")[: len(steps)]:
+    for step in steps:
         with sdpa_kernel(backends[attention]) if attention in backends else contextlib.nullcontext():
             measured = measure.training_step_memory(built.model, optimizer, batch_tensors)
         predicted = training_state_lifecycle(shape, batch, seq, dtype=dtype, device=device.type,
