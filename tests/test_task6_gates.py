@@ -133,6 +133,8 @@ def test_without_the_bug_no_gate_fires(gw, reference, fixed):
     report = gates.judge(fixed, gw, *reference, warmup=0, repeats=1)
     assert report.failed_gate is None, report.lines()
     assert [v.name for v in report.verdicts] == list(gates.GATES)
+    assert [v.passed for v in report.verdicts] == [True] * 4 + [None]  # performance is measured, never passed or failed
+    assert report.lines()[-2].startswith("  — performance")
     assert report.performance is not None and report.performance.peak_allocated_bytes is None  # CPU: unknown, not 0
     assert report.decision is None and report.evidence_level == "cpu-mechanism"  # nothing to accept from CPU numbers
 
@@ -248,7 +250,7 @@ def perf(device="cuda", median=1.0, peak=1000):
 
 
 def test_decide_rejects_a_failed_gate_on_any_device_and_decides_nothing_from_cpu_numbers():
-    passed = [gates.Verdict(g, True, {}, "") for g in gates.GATES]
+    passed = [gates.Verdict(g, True, {}, "") for g in gates.GATES[:4]] + [gates.Verdict("performance", None, {}, "")]
     failed = passed[:1] + [gates.Verdict("gradients", False, {}, "off")]
     assert gates.decide(failed, None, None)[0] == "reject"
     assert gates.decide(failed, perf(), perf())[0] == "reject"  # a faster wrong candidate stays rejected

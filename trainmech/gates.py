@@ -5,8 +5,8 @@ for, the compute dtype) and its training update, split into `backward` (one accu
 forward and backward of every micro-batch, filling .grad) and `update` (write the parameters or
 skip, and move the scheduler). The pipeline runs the reference and the candidate through the same
 gate workload (`GateWorkload`: initial weights, windows, a held-out batch, attempts that receive a
-non-finite sample) and records what happened in a `Trace`. Five gates then judge, in order, and
-the pipeline stops at the first that fails:
+non-finite sample) and records what happened in a `Trace`. Four gates then judge, in order, and
+the pipeline stops at the first that fails; a fifth stage measures and never passes or fails:
 
     1 inputs       the model consumed the same rows (visible tokens) under the same RNG state
     2 gradients    each parameter's gradient of the first window agrees with the reference's,
@@ -14,7 +14,7 @@ the pipeline stops at the first that fails:
     3 updates      the same number of effective updates, no non-finite value written, and the
                    optimizer's and the scheduler's step counts and learning rates follow the update clock
     4 quality      held-out token loss after the same effective updates, within the dtype's bound
-    5 performance  measured only after 1-4 passed: step-time median / P95 after warm-up, allocated /
+    5 performance  a measurement, not a gate (its verdict's `passed` is None), only after 1-4 passed: step-time median / P95 after warm-up, allocated /
                    reserved peaks (CUDA; None elsewhere), tracked tensor bytes of one window
 
     reference_trace = gates.run_trace(reference, gw)
@@ -350,9 +350,13 @@ def run_trace(cand: Candidate, gw: GateWorkload) -> Trace:
 @dataclass
 class Verdict:
     name: str
-    passed: bool
+    passed: bool | None  # None: a measurement, not a pass / fail judgement (the performance stage)
     evidence: dict
     message: str
+
+    @property
+    def failed(self) -> bool:
+        return self.passed is False
 
 
 def inputs_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32") -> Verdict:
@@ -371,7 +375,7 @@ def inputs_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32") -> Verd
     if differ is not None:
         evidence["first_difference"] = differ
         got, want = len(cand.consumed[differ]), len(ref.consumed[differ])
-        return Verdict("inputs", False, evidence, f"attempt {differ}: the model received {got} of {want} rows as the reference did")
+        return Verdict("inputs", False, evidence, f"attempt {differ}: the model received {got} of the reference's {want} rows")
     if cand.rng != ref.rng[:n]:
         return Verdict("inputs", False, evidence, "the RNG state at a window's start differs from the reference's")
     if cand.error:  # gate 2 or 3 judges the exception itself
@@ -515,7 +519,7 @@ def decide(verdicts: list[Verdict], perf: Performance | None, reference: Perform
            rule: DecisionRule = RULE) -> tuple[str | None, str]:
     """(decision, reason). A failed gate rejects on any device. Otherwise accept / tune / reject by
     `decide_measured`, which needs allocator peaks and step times from a GPU: without them, None."""
-    failed = next((v for v in verdicts if not v.passed), None)
+    failed = next((v for v in verdicts if v.failed), None)
     if failed is not None:
         return "reject", f"{failed.name} gate failed: {failed.message}"
     if perf is None or reference is None or not (perf.on_gpu and reference.on_gpu):
@@ -543,34 +547,37 @@ class Report:
 
     @property
     def failed_gate(self) -> str | None:
-        return next((v.name for v in self.verdicts if not v.passed), None)
+        return next((v.name for v in self.verdicts if v.failed), None)
 
     def verdict(self, name: str) -> Verdict | None:
         return next((v for v in self.verdicts if v.name == name), None)
 
     def lines(self) -> list[str]:
-        """The report as printed lines: one per gate, ✓ passed, ✗ failed, · not run."""
+        """The report as printed lines: one per stage, ✓ passed, ✗ failed, — measured (performance), · not run."""
         c = self.candidate
         out = [f"{c.name}  ({c.semantic_id}, claims {c.dtype})"]
         for name in GATES:
             v = self.verdict(name)
-            mark, text = ("·", "not run: an earlier gate failed") if v is None else ("✓" if v.passed else "✗", v.message)
+            if v is None:
+                mark, text = "·", "not run: an earlier gate failed"
+            else:
+                mark, text = {True: "✓", False: "✗", None: "—"}[v.passed], v.message
             out.append(f"  {mark} {name:<12} {text}")
         out.append(f"  decision: {self.decision or 'null'}  ({self.evidence_level})")
         return out
 
 
 def performance_verdict(perf: Performance, reference: Performance | None) -> Verdict:
-    """Gate 5 reports; it never fails: whether a measured gain is worth it is the decision's job."""
+    """Stage 5 measures; it is no gate (passed None): whether a measured gain is worth it is `decide`'s job."""
     evidence = {k: getattr(perf, k) for k in ("step_time_median_s", "step_time_p95_s", "peak_allocated_bytes",
                                               "peak_reserved_bytes", "tracked_peak_bytes", "warmup", "repeats")}
     if perf.on_gpu and reference is not None and reference.on_gpu:
         message = (f"median x{perf.step_time_median_s / reference.step_time_median_s:.2f}, allocated peak "
                    f"{perf.peak_allocated_bytes / reference.peak_allocated_bytes - 1:+.1%} vs the reference")
     else:
-        message = (f"measured on {perf.device_type}: step times recorded, not evidence here; allocator peaks null; "
+        message = (f"measured on {perf.device_type}: CPU step times recorded, no GPU evidence; allocator peaks null; "
                    f"tracked tensor bytes of one window {perf.tracked_peak_bytes:,}")
-    return Verdict("performance", True, evidence, message)
+    return Verdict("performance", None, evidence, message)
 
 
 def judge(cand: Candidate, gw: GateWorkload, reference: Trace, reference_performance: Performance | None = None,
@@ -585,7 +592,7 @@ def judge(cand: Candidate, gw: GateWorkload, reference: Trace, reference_perform
         if not verdicts[-1].passed:
             break
     perf = None
-    if all(v.passed for v in verdicts):
+    if not any(v.failed for v in verdicts):
         perf = measure(cand, gw, warmup=warmup, repeats=repeats)
         verdicts.append(performance_verdict(perf, reference_performance))
     decision, reason = decide(verdicts, perf, reference_performance)

@@ -199,7 +199,7 @@ def continual_pretrain(before: dict[str, float], after: dict[str, float]):
     ax.bar([x - 0.2 for x in xs], [before[n] for n in names], 0.4, label="0 updates")
     ax.bar([x + 0.2 for x in xs], [after[n] for n in names], 0.4, label="after domain updates")
     ax.set(xticks=list(xs), xticklabels=names, ylabel="token loss (nats)", title="domain vs retention")
-    ax.set_ylim(min(min(before.values()), min(after.values())) * 0.95, None)
+    ax.set_ylim(0, None)                      # from 0: a truncated axis would exaggerate the change
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     return fig
@@ -387,12 +387,13 @@ def gate_errors(errors: dict[str, dict[str, float]], tolerances: dict[str, float
     return fig
 
 
-def gate_matrix(rows: dict[str, list[bool | None]], gates: list[str]):
-    """Candidates × gates: ✓ passed (green), ✗ failed (red), · not run because an earlier gate failed."""
+def gate_matrix(rows: dict[str, list[bool | str | None]], gates: list[str]):
+    """Candidates × stages: ✓ passed (green), ✗ failed (red), — "measured" (blue: the performance stage, no
+    pass / fail), · not run because an earlier gate failed."""
     from matplotlib.patches import Rectangle
 
     fig, (ax,) = _figure(1, 1.1 * len(gates) + 3.4, 0.36 * len(rows) + 0.9)
-    style = {True: ("tab:green", "✓"), False: ("tab:red", "✗"), None: ("lightgray", "·")}
+    style = {True: ("tab:green", "✓"), False: ("tab:red", "✗"), "measured": ("tab:blue", "—"), None: ("lightgray", "·")}
     for i, cells in enumerate(rows.values()):
         for j, passed in enumerate(cells):
             colour, mark = style[passed]

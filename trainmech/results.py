@@ -220,6 +220,12 @@ def evidence_status(records: list[Record]) -> str:
     return text
 
 
+def _page(e: dict) -> str:
+    """The registry's page, and the course notebook (TaskN) that runs the experiment where they differ."""
+    task = e["notebook"].split("_")[0]
+    return e["page"] if e["page"] == task else f"{e['page']} → {task}"
+
+
 def registry_markdown(records: list[Record], run_label: str | None = None) -> str:
     """The asset registry's table for one run: every experiment, its status from the records."""
     by_id: dict[str, list[Record]] = defaultdict(list)
@@ -229,7 +235,8 @@ def registry_markdown(records: list[Record], run_label: str | None = None) -> st
     lines = [
         f"# 实验资产表 · 运行 `{run_label}`" if run_label else "# 实验资产表",
         "",
-        "证据状态由本次运行的结果记录推出（`python -m trainmech registry`）；没有记录的实验写 `no record`。",
+        "证据状态由本次运行的结果记录推出（`python -m trainmech registry`）；没有记录的实验写 `no record`。"
+        "“Part 02 · NN”是资产表原稿的页码，箭头后是本课程里做这个实验的 Notebook。",
         "",
         "| 实验 ID / 页面 | 固定对照 | 主要指标 | 证据状态 | 参考数字 |",
         "|---|---|---|---|---|",
@@ -237,7 +244,7 @@ def registry_markdown(records: list[Record], run_label: str | None = None) -> st
     for e in experiments():
         status = evidence_status(by_id.get(e["semantic_id"], []))
         lines.append(
-            f"| {e['semantic_id']} / {e['page']} | {e['comparison']} | {e['metrics']} | {status} | {e['reference']} |"
+            f"| {e['semantic_id']} / {_page(e)} | {e['comparison']} | {e['metrics']} | {status} | {e['reference']} |"
         )
     extra = sorted(set(by_id) - known)
     for sid in extra:

@@ -65,7 +65,9 @@ def denominators(micro_tokens: list[int] | tuple[int, ...], normalization: str =
     if total == 0:
         raise TrainmechError(
             "the accumulation window supervises no token (every label after the causal shift is "
-            f"IGNORE_INDEX={IGNORE_INDEX}): there is no loss to average, and dividing by 0 would write NaN into .grad"
+            f"IGNORE_INDEX={IGNORE_INDEX}): there is no loss to average. A plain mean would log 0/0 = NaN while every "
+            ".grad stays exactly 0, so a finiteness check would let the optimizer step (AdamW still moves the weights "
+            "through its momentum and weight decay)"
         )
     if normalization == "window_tokens":
         return [total] * len(micro_tokens)
