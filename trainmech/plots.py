@@ -284,6 +284,7 @@ def memory_timeline(live: list[int], phases: list[str], baseline: int, predicted
     bottom.set_xticks(range(len(ticks_)), [t.replace("forward.", "f.").replace("backward.", "b.") for t in ticks_],
                       rotation=75, ha="right", fontsize=6)
     bottom.set(ylabel="bytes (MiB)", title="ledger: what is alive at each moment")
+    bottom.set_ylim(0, max(bottom_) * 1.35)  # headroom: the legend sits above the tallest bar
     bottom.legend(fontsize=7, ncols=4, loc="upper left")
     bottom.grid(alpha=0.3, axis="y")
     return fig
@@ -322,7 +323,7 @@ def strategy_timelines(runs: dict[str, tuple[list[int], list[str], int]], predic
             ax.axhline(predicted_peaks[name] / mib, color="tab:blue", ls="--", lw=1,
                        label=f"ledger {predicted_peaks[name] / mib:,.1f} MiB")
         ax.set(title=name, xlabel="allocation / release event", ylim=(0, top * 1.12))
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="lower right")  # the peaks sit high; the lower right stays clear
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylabel("live bytes (MiB)")
     from matplotlib.patches import Patch
