@@ -352,10 +352,13 @@ def test_unknown_exercise_id_is_refused():
 
 
 def test_checks_never_read_the_solutions():
-    tree = ast.parse((REPO / "trainmech" / "exercises.py").read_text(encoding="utf-8"))
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {f"{node.module}.{a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
-    assert not any("solutions" in name for name in imported)
+    paths = sorted((REPO / "trainmech" / "exercises").glob("*.py"))
+    assert len(paths) == 8  # __init__.py and task0.py ... task6.py
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {f"{node.module}.{a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
+        assert not any("solutions" in name for name in imported), path.name
 
 
 def test_every_notebook_ends_with_its_exercises():

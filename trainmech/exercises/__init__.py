@@ -1,0 +1,213 @@
+"""Exercises (练习) at the end of every Task notebook, with instant checks.
+
+    import trainmech.exercises
+    trainmech.exercises.check("task2.rms_norm_backward", rms_norm_backward)
+
+A check runs the learner's function on several inputs (float64, deliberately non-trivial: weights
+off their init, repeated ids, unequal micro-batches, skipped updates) and compares it with what the
+notebook compares against: autograd, the framework (torch.optim, transformers' scheduler), or a
+measurement (the Task4 storage tracker). It answers in Chinese, one line per input that passed.
+Three outcomes:
+
+    unfilled stub (it raises NotImplementedError)  ->  prints "未完成：…" (fixed text), returns None
+    correct                                        ->  prints "✓ …" lines and "通过", returns True
+    wrong                                          ->  prints which tensor / update / byte count is
+                                                       off and by how much, names a known mistake it
+                                                       matches, then raises checks.ClaimFailed
+
+Checks always run on the CPU, whatever RUN_MODE the notebook ran in, and never move the
+notebook's random state (torch.random.fork_rng). Reference solutions are in trainmech.solutions;
+a check never reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from trainmech.checks import ClaimFailed
+from trainmech.errors import TrainmechError
+
+__all__ = ["check", "EXERCISES"]
+
+
+class _NotAttempted(Exception):
+    """The learner's stub still raises NotImplementedError."""
+
+
+class _Wrong(Exception):
+    """A wrong answer: the lines to print and a one-line summary for ClaimFailed."""
+
+    def __init__(self, lines: str | list[str], summary: str | None = None):
+        self.lines = [lines] if isinstance(lines, str) else list(lines)
+        self.summary = summary or self.lines[0].lstrip("✗ ").strip()
+        super().__init__(self.summary)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str
+    title: str  # Chinese, printed in the header
+    run: Callable[[_Run], None]
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def _exercise(exercise_id: str, title: str):
+    def register(fn):
+        EXERCISES[exercise_id] = Exercise(exercise_id, title, fn)
+        return fn
+
+    return register
+
+
+class _Run:
+    """One check of one learner function: calls it, prints what passed."""
+
+    def __init__(self, learner: Callable):
+        self.learner = learner
+        self.answered = 0  # calls that returned
+
+    def call(self, where: str, *args, **kwargs):
+        try:
+            out = self.learner(*args, **kwargs)
+        except NotImplementedError as e:
+            if self.answered == 0:
+                raise _NotAttempted() from None
+            raise _Wrong(f"✗ {where}：你的函数抛出了 NotImplementedError（{_first_line(e)}）——还有分支没写完？") from None
+        except Exception as e:  # noqa: BLE001 — the learner's own error is the diagnosis
+            raise _Wrong(f"✗ {where}：你的函数抛出了 {type(e).__name__}：{_first_line(e)}") from None
+        self.answered += 1
+        return out
+
+    @staticmethod
+    def ok(line: str) -> None:
+        print(f"  ✓ {line}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0][:200] if text else "（没有说明）")
+
+
+def check(exercise_id: str, learner: Callable) -> bool | None:
+    """Check the learner's answer to one exercise. True: correct; None: not attempted yet;
+    a wrong answer prints the diagnosis and raises ClaimFailed."""
+    ex = EXERCISES.get(exercise_id)
+    if ex is None:
+        raise TrainmechError(f"没有练习 {exercise_id!r}；已有：{', '.join(EXERCISES)}")
+    print(f"练习 {ex.id} · {ex.title}")
+    name = getattr(learner, "__name__", type(learner).__name__)
+    try:
+        with torch.random.fork_rng(devices=[]):  # the check's own draws never move the notebook's RNG
+            ex.run(_Run(learner))
+    except _NotAttempted:
+        print(f"未完成：`{name}` 还是存根（它抛出 NotImplementedError）。在上一格写出实现后，再运行这一格。")
+        return None
+    except _Wrong as w:
+        for line in w.lines:
+            print(f"  {line}")
+        raise ClaimFailed(f"练习 {ex.id} 未通过：{w.summary}") from None
+    print(f"通过：`{name}` 在全部输入上与参照一致。")
+    return True
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def _randn(gen: torch.Generator, *shape, scale: float = 1.0) -> torch.Tensor:
+    return scale * torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|, float64; inf for a shape mismatch."""
+    if a.shape != b.shape:
+        return math.inf
+    a, b = a.detach().double(), b.detach().double()
+    if not a.numel():
+        return 0.0
+    return (a - b).abs().max().item() / max(b.abs().max().item(), torch.finfo(torch.float64).tiny)
+
+
+def _fmt_index(index: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, index)) + ")" if index else "()"
+
+
+def _tensor(where: str, name: str, ours, ref: torch.Tensor, *, rtol: float, against: str,
+            variants: list[tuple[str, Callable[[], torch.Tensor]]] = (), shape_hint: str = "") -> float:
+    """Compare one returned tensor with its reference; raise _Wrong with a diagnosis when it is off.
+
+    variants: (description, thunk) of known mistakes; a wrong answer that matches one is named.
+    """
+    if ours is None:
+        raise _Wrong(f"✗ {where}：{name} 是 None，应为形状 {tuple(ref.shape)} 的张量")
+    if not isinstance(ours, torch.Tensor):
+        raise _Wrong(f"✗ {where}：{name} 是 {type(ours).__name__}，应为形状 {tuple(ref.shape)} 的张量")
+    sep = "" if name.endswith("）") else " "  # no space after a full-width bracket
+    of = "" if against.endswith("）") else " "
+    if ours.shape != ref.shape:
+        lines = [f"✗ {where}：{name}{sep}的形状是 {tuple(ours.shape)}，应为 {tuple(ref.shape)}"]
+        if ours.dim() == 2 and tuple(ours.shape) == tuple(ref.shape)[::-1]:
+            lines.append("    形状正好反了：是不是把矩阵乘或外积的顺序写反了（转置）？")
+        if shape_hint:
+            lines.append(f"    {shape_hint}")
+        raise _Wrong(lines, f"{name}{sep}的形状 {tuple(ours.shape)} ≠ {tuple(ref.shape)}")
+    a, b = ours.detach().double(), ref.detach().double()
+    bad = ~torch.isfinite(a)
+    if bad.any():
+        raise _Wrong(f"✗ {where}：{name} 含有 {int(bad.sum())} 个非有限值（inf 或 NaN）",
+                     f"{name} 含有非有限值")
+    rel = _rel(a, b)
+    if rel <= rtol:
+        return rel
+    diff = (a - b).abs()
+    idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.dim() else ()
+    scale = max(b.abs().max().item(), torch.finfo(torch.float64).tiny)
+    lines = [f"✗ {where}：{name}{sep}不对：max|Δ|={diff.max().item():.2e}，相对误差 {rel:.2e}，超过容限 {rtol:.0e}",
+             f"    偏差最大的元素在索引 {_fmt_index(idx)}：你的 {a[idx].item():.6g}，{against}{of}的 {b[idx].item():.6g}；"
+             f"{int((diff > rtol * scale).sum())} / {a.numel()} 个元素超出容限"]
+    for description, thunk in variants:
+        try:
+            v = thunk()
+        except Exception:  # noqa: BLE001 — a variant that cannot be formed simply does not match
+            continue
+        if isinstance(v, torch.Tensor) and _rel(a, v) <= max(rtol, 1e-9):
+            lines.append(f"    提示：你的结果与「{description}」一模一样。")
+            break
+    else:
+        denom = (b * b).sum().item()
+        c = (a * b).sum().item() / denom if denom > 0 else 0.0
+        if c and abs(c - 1) > 1e-6 and _rel(a, c * b) <= max(rtol, 1e-9):
+            lines.append(f"    提示：你的结果恰好是{against}{of}的 {c:.6g} 倍——少除或多除了一个因子？")
+    raise _Wrong(lines, f"{name}{sep}的相对误差 {rel:.1e}（容限 {rtol:.0e}）")
+
+
+def _tuple(where: str, out, names: tuple[str, ...]):
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        got = f"{type(out).__name__}" + (f"（{len(out)} 项）" if isinstance(out, (tuple, list)) else "")
+        raise _Wrong(f"✗ {where}：应返回 {len(names)} 项的元组 ({', '.join(names)})，你返回了 {got}")
+    return out
+
+
+def _autograd_vjp(fn, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, wrt: tuple[int, ...]):
+    """fn(*inputs) and the gradients of <fn(*inputs), grad_out> for the inputs at positions `wrt`."""
+    leaves = [t.detach().clone().requires_grad_(i in wrt) if t.is_floating_point() else t for i, t in enumerate(inputs)]
+    out = fn(*leaves)
+    (out * grad_out).sum().backward()
+    return out.detach(), [leaves[i].grad for i in wrt]
+
+
+def _tiny_model(seed: int = 0, **overrides):
+    from trainmech import profiles, workload
+
+    return workload.build_model(profiles.for_mode("cpu").model("qwen2-tiny"), seed=seed, **overrides).model
+
+
+# ----------------------------------------------------------------------------- one module per Task
+# Imported last: each registers its exercises into EXERCISES, in notebook order, using the helpers above.
+
+from trainmech.exercises import task0, task1, task2, task3, task4, task5, task6  # noqa: E402, F401
