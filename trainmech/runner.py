@@ -11,6 +11,7 @@ stop the others; an interrupted run leaves the previous results untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -112,6 +113,20 @@ def execute_notebook(path: Path, out_path: Path, params: dict[str, Any], timeout
     return status, error
 
 
+@contextlib.contextmanager
+def records_into(folder: str | Path):
+    """While inside, RESULTS_ENV points at folder: kernels started here write their records there."""
+    previous = os.environ.get(RESULTS_ENV)
+    os.environ[RESULTS_ENV] = str(folder)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RESULTS_ENV, None)
+        else:
+            os.environ[RESULTS_ENV] = previous
+
+
 def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[str, str, dict | None]]:
     """Re-execute notebooks with their own default parameters and write the outputs back.
 
@@ -124,28 +139,20 @@ def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[s
     from nbclient import NotebookClient
 
     outcomes = []
-    previous_env = os.environ.get(RESULTS_ENV)
-    with tempfile.TemporaryDirectory(prefix="trainmech-refresh-") as scratch:
-        os.environ[RESULTS_ENV] = scratch
-        try:
-            for path in paths:
-                nb = nbformat.read(path, as_version=4)
-                client = NotebookClient(
-                    nb, timeout=int(timeout), kernel_name="python3", record_timing=False,
-                    resources={"metadata": {"path": str(path.parent)}},
-                )
-                try:
-                    client.execute()
-                except Exception as e:  # keep the committed copy when the run fails
-                    outcomes.append((path.stem, "failed", _first_error(nb) or {"ename": type(e).__name__, "evalue": str(e)[:500]}))
-                    continue
-                nbformat.write(nb, path)
-                outcomes.append((path.stem, "ok", None))
-        finally:
-            if previous_env is None:
-                os.environ.pop(RESULTS_ENV, None)
-            else:
-                os.environ[RESULTS_ENV] = previous_env
+    with tempfile.TemporaryDirectory(prefix="trainmech-refresh-") as scratch, records_into(scratch):
+        for path in paths:
+            nb = nbformat.read(path, as_version=4)
+            client = NotebookClient(
+                nb, timeout=int(timeout), kernel_name="python3", record_timing=False,
+                resources={"metadata": {"path": str(path.parent)}},
+            )
+            try:
+                client.execute()
+            except Exception as e:  # keep the committed copy when the run fails
+                outcomes.append((path.stem, "failed", _first_error(nb) or {"ename": type(e).__name__, "evalue": str(e)[:500]}))
+                continue
+            nbformat.write(nb, path)
+            outcomes.append((path.stem, "ok", None))
     return outcomes
 
 
@@ -193,42 +200,36 @@ def run(
     params = {"RUN_MODE": run_mode, "RUN_LABEL": run_label, **(overrides or {})}
     started, t_run = datetime.now(timezone.utc), time.perf_counter()
     outcomes: list[NotebookResult] = []
-    previous_env = os.environ.get(RESULTS_ENV)
-    os.environ[RESULTS_ENV] = str(staging)  # the kernels inherit it: records land in staging
     try:
-        from tqdm import tqdm
+        with records_into(staging):  # the kernels inherit it: records land in staging
+            from tqdm import tqdm
 
-        bar = tqdm(notebooks, desc="notebooks", unit="nb", disable=not progress, file=sys.stderr)
-        for path in bar:
-            bar.set_postfix_str(path.stem)
-            before = {p: p.stat().st_mtime_ns for p in results.record_paths(staging)}
-            t0 = time.perf_counter()
-            status, error = execute_notebook(path, staging / "notebooks" / path.name, params, timeout)
-            seconds = round(time.perf_counter() - t0, 2)
-            # new files, and files an earlier notebook wrote that this one replaced
-            written = [p for p in results.record_paths(staging) if before.get(p) != p.stat().st_mtime_ns]
-            for rec in written:
-                try:
-                    results.read_record(rec)
-                except TrainmechError as e:
-                    if status == "ok":
-                        status, error = "failed", {"ename": "InvalidRecord", "evalue": str(e), "cell": None}
-            outcome = NotebookResult(path.stem, status, seconds, [p.name for p in written], error)
-            outcomes.append(outcome)
-            line = f"{path.stem:<28} {status:<7} {seconds:7.1f} s  {len(written)} record(s)"
-            if error:
-                line += f"  {error['ename']}: {error['evalue'].splitlines()[0][:120] if error['evalue'] else ''}"
-            if progress:
-                bar.write(line, file=sys.stderr)
-        bar.close()
+            bar = tqdm(notebooks, desc="notebooks", unit="nb", disable=not progress, file=sys.stderr)
+            for path in bar:
+                bar.set_postfix_str(path.stem)
+                before = {p: p.stat().st_mtime_ns for p in results.record_paths(staging)}
+                t0 = time.perf_counter()
+                status, error = execute_notebook(path, staging / "notebooks" / path.name, params, timeout)
+                seconds = round(time.perf_counter() - t0, 2)
+                # new files, and files an earlier notebook wrote that this one replaced
+                written = [p for p in results.record_paths(staging) if before.get(p) != p.stat().st_mtime_ns]
+                for rec in written:
+                    try:
+                        results.read_record(rec)
+                    except TrainmechError as e:
+                        if status == "ok":
+                            status, error = "failed", {"ename": "InvalidRecord", "evalue": str(e), "cell": None}
+                outcome = NotebookResult(path.stem, status, seconds, [p.name for p in written], error)
+                outcomes.append(outcome)
+                line = f"{path.stem:<28} {status:<7} {seconds:7.1f} s  {len(written)} record(s)"
+                if error:
+                    line += f"  {error['ename']}: {error['evalue'].splitlines()[0][:120] if error['evalue'] else ''}"
+                if progress:
+                    bar.write(line, file=sys.stderr)
+            bar.close()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # interrupted: keep the previous results whole
         raise
-    finally:
-        if previous_env is None:
-            os.environ.pop(RESULTS_ENV, None)
-        else:
-            os.environ[RESULTS_ENV] = previous_env
 
     failed = [o for o in outcomes if o.status != "ok"]
     summary = {
