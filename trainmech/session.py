@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from trainmech import profiles, results, workload
+from trainmech import checks, profiles, results, workload
 from trainmech.errors import TrainmechError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -184,6 +184,10 @@ def start(
         torch.set_num_threads(1)
     if results_dir is None:
         results_dir = os.environ.get(RESULTS_ENV) or REPO_ROOT / "results" / run_label
+    if notebook is not None:
+        # Each check of this notebook, with the value and limit it compared, beside the records:
+        # `python -m trainmech portability` reads these logs to measure margins across machines.
+        checks.log_checks_to(Path(results_dir) / "checks" / f"{notebook}.jsonl")
     return Session(
         run_mode=run_mode,
         run_label=run_label,
