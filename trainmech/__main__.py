@@ -19,6 +19,8 @@ trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanic
   refresh   re-execute the committed notebooks in place (maintainers, before committing)
   ledger    the training-state ledger: state bytes, peak phase and its composition for a model
             (see python -m trainmech ledger --help)
+  portability  run the notebooks under other numeric paths (SIMD width, BLAS code path) and
+            report output differences, claim margins and record drift (maintainers)
 
 Examples:
   python -m trainmech run                         # all notebooks, CPU mode, label "local"
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainmech", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger,portability}")
 
     run = sub.add_parser("run", help="execute the notebooks headless", description="Execute the Task notebooks headless with nbclient.")
     run.add_argument("--mode", default="cpu", help="run mode: cpu (default) or TRAIN-CUDA-MECHANISM (needs one CUDA GPU)")
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     ref.add_argument("--only", nargs="+", metavar="TaskN", help="refresh only these notebooks")
 
     sub.add_parser("ledger", add_help=False, help="the training-state ledger calculator (its own --help)")
+    sub.add_parser("portability", add_help=False, help="outputs, margins and records under other numeric paths (its own --help)")
 
     lint = sub.add_parser("lint", help="glossary and prose rules", description="Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.")
     lint.add_argument("--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first")
@@ -72,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainmech import ledger
 
         return ledger.main(argv[1:])
+    if argv[:1] == ["portability"]:  # so does the numeric-path report
+        from trainmech import portability
+
+        return portability.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
