@@ -212,7 +212,7 @@ def test_interrupted_run_keeps_the_previous_results_whole(first_run, tmp_path, m
     env_before = os.environ.get("TRAINMECH_RESULTS_DIR")
     calls = []
 
-    def interrupted(path, out_path, params, timeout):
+    def interrupted(path, out_path, params, timeout, *_):
         calls.append(path.name)
         staging = Path(os.environ["TRAINMECH_RESULTS_DIR"])
         (staging / "TRAIN-LOOP__half.json").write_text("{", encoding="utf-8")  # a half-done run

@@ -19,6 +19,8 @@ trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanic
   refresh   re-execute the committed notebooks in place (maintainers, before committing)
   ledger    the training-state ledger: state bytes, peak phase and its composition for a model
             (see python -m trainmech ledger --help)
+  gpu-check run every CUDA-only branch once at small sizes and report (--dry-run: the plan and budget
+            on any machine; see python -m trainmech gpu-check --help)
 
 Examples:
   python -m trainmech run                         # all notebooks, CPU mode, label "local"
@@ -26,6 +28,7 @@ Examples:
   python -m trainmech run --mode TRAIN-CUDA-MECHANISM --label h200-2026-11-29
   python -m trainmech registry --label cpu-reference
   python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512
+  python -m trainmech gpu-check --dry-run
 """
 
 
@@ -43,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainmech", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger,gpu-check}")
 
     run = sub.add_parser("run", help="execute the notebooks headless", description="Execute the Task notebooks headless with nbclient.")
     run.add_argument("--mode", default="cpu", help="run mode: cpu (default) or TRAIN-CUDA-MECHANISM (needs one CUDA GPU)")
@@ -60,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     ref.add_argument("--only", nargs="+", metavar="TaskN", help="refresh only these notebooks")
 
     sub.add_parser("ledger", add_help=False, help="the training-state ledger calculator (its own --help)")
+    sub.add_parser("gpu-check", add_help=False, help="run every CUDA-only branch once and report (its own --help)")
 
     lint = sub.add_parser("lint", help="glossary and prose rules", description="Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.")
     lint.add_argument("--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first")
@@ -72,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainmech import ledger
 
         return ledger.main(argv[1:])
+    if argv[:1] == ["gpu-check"]:
+        from trainmech import gpucheck
+
+        return gpucheck.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
