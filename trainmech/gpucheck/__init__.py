@@ -106,12 +106,14 @@ def _offload_bytes() -> int:
 
 def _environment(device) -> dict:
     from trainmech import profiles, session
+    from trainmech.gpucheck import bundle
 
     mode = "TRAIN-CUDA-MECHANISM" if device.type == "cuda" else "cpu"
     profile = profiles.for_mode(mode)
     env = session.capture_environment(profile, device)
     env["driver"] = _driver_version() if device.type == "cuda" else None
     env["version_problems"] = profiles.version_problems(profile)
+    env["bundle_requirement_problems"] = bundle.requirement_problems()
     env["platform"] = platform.platform()
     return env
 
@@ -322,7 +324,8 @@ def summary_lines(report: dict) -> list[str]:
     lines = [f"# gpu-check ({report['mode']})", "",
              f"{report['started_at']}, {report['seconds']:.0f} s. {env.get('gpu') or 'no GPU'}, driver {env.get('driver')}, "
              f"CUDA {env.get('cuda')}, Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}, "
-             f"accelerate {env.get('accelerate')}. Version problems: {'; '.join(env['version_problems']) or 'none'}.", ""]
+             f"accelerate {env.get('accelerate')}. Version problems: {'; '.join(env['version_problems']) or 'none'}. "
+             f"Bundle requirements unmet: {'; '.join(env['bundle_requirement_problems']) or 'none'}.", ""]
     limits = report.get("limits")
     if limits:
         bw, ph, bound = limits["bandwidth"], limits["baseline_step"], limits["offload_bound"]
