@@ -180,8 +180,10 @@ class _SdpaOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__
-        if "scaled_dot_product" in name or name.startswith(("bmm", "_softmax")):
+        if "scaled_dot_product" in name or name.startswith("bmm"):
             self.names.add(name.split(".")[0])
+        elif name.startswith(("_softmax", "_safe_softmax", "softmax")):  # the attention's, not the loss's log_softmax
+            self.names.add("softmax")
         return func(*args, **(kwargs or {}))
 
 
@@ -193,7 +195,7 @@ def dispatched_attention_kernel(model: torch.nn.Module, batch: dict) -> str:
     for kernel in ("flash", "efficient", "cudnn"):
         if any(n.startswith(f"_scaled_dot_product_{kernel}_attention") for n in ops.names):
             return kernel
-    return "math" if {"bmm", "_softmax"} <= ops.names else f"unknown ({', '.join(sorted(ops.names)) or 'no attention op'})"
+    return "math" if {"bmm", "softmax"} <= ops.names else f"unknown ({', '.join(sorted(ops.names)) or 'no attention op'})"
 
 
 def check_ledger_on_device(probe: Probe) -> str:
