@@ -30,6 +30,7 @@ from trainmech.errors import TrainmechError
 from trainmech.results import REPO_ROOT
 
 SMALL_PASS_BUDGET_S = 180.0
+NOTEBOOK_TIMEOUT_S = 240.0  # a small-pass notebook takes ~20 s: a hung one must not eat the device command
 LIMITS_ESTIMATE_S = 25.0
 SMOKE_EXTRA_S = 6.0  # per notebook on CUDA beyond its CPU reference seconds: CUDA start, the 0.5B-vocabulary model
 SMOKE_MODEL = "qwen2.5-0.5b-2layers"
@@ -237,7 +238,7 @@ class _DeviceMemory(threading.Thread):
         return {"device_memory_used_peak_bytes": self.peak, "device_memory_used_at_start_bytes": self.start_used}
 
 
-def run_notebooks(out: Path, device, only: list[str] | None = None, timeout: float = 600.0) -> tuple[list[dict], list[dict]]:
+def run_notebooks(out: Path, device, only: list[str] | None = None, timeout: float = NOTEBOOK_TIMEOUT_S) -> tuple[list[dict], list[dict]]:
     """Each notebook in TRAIN-CUDA-MECHANISM mode with its SMOKE parameters; (notebook rows, cell rows)."""
     import nbformat
 
@@ -275,7 +276,7 @@ def _cell_outcome(cell) -> tuple[str, str]:
 
 
 def run(out: Path, *, cpu: bool = False, skip_notebooks: bool = False, only_notebooks: bool = False,
-        only: list[str] | None = None, timeout: float = 600.0) -> int:
+        only: list[str] | None = None, timeout: float = NOTEBOOK_TIMEOUT_S) -> int:
     """The whole check; writes the report and returns the exit status."""
     import torch
 
@@ -305,6 +306,8 @@ def run(out: Path, *, cpu: bool = False, skip_notebooks: bool = False, only_note
     if not cpu and not skip_notebooks:
         only = only or list(SMOKE)
         say(f"notebooks in TRAIN-CUDA-MECHANISM mode: {' '.join(only)}")
+        gc.collect()
+        torch.cuda.empty_cache()  # the kernels get the memory the checks above had cached
         report["notebooks"], cells = run_notebooks(out, device, only, timeout)
         rows += cells
     report["branches"] = rows
@@ -368,11 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every CUDA-only branch of the package and the notebooks once at small sizes, after measuring the "
                     "machine's copy bandwidth and the baseline step's compute time; write gpu-check.json and gpu-check.md.")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, the estimates and the full run's budget; run nothing")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "gpu-check", help="report folder (default results/gpu-check)")
+    parser.add_argument("--out", type=Path, help="report folder (default results/gpu-check; with --cpu results/gpu-check-cpu, not committed)")
     parser.add_argument("--cpu", action="store_true", help="self-test on the CPU: limits and package checks, no notebooks, no GPU evidence")
     parser.add_argument("--skip-notebooks", action="store_true", help="limits and package branches only")
     parser.add_argument("--only-notebooks", nargs="*", metavar="TaskN", help="the notebook pass only (all, or these notebooks)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one notebook may run (default 600)")
+    parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT_S,
+                        help=f"seconds one notebook of the small pass may run (default {NOTEBOOK_TIMEOUT_S:.0f})")
     return parser
 
 
@@ -383,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(plan_lines()))
             return 0
         only = args.only_notebooks or None
-        return run(args.out, cpu=args.cpu, skip_notebooks=args.skip_notebooks, only_notebooks=args.only_notebooks is not None,
+        out = args.out or REPO_ROOT / "results" / ("gpu-check-cpu" if args.cpu else "gpu-check")
+        return run(out, cpu=args.cpu, skip_notebooks=args.skip_notebooks, only_notebooks=args.only_notebooks is not None,
                    only=only, timeout=args.timeout)
     except TrainmechError as e:
         print(f"trainmech: error: {e}", file=sys.stderr)
