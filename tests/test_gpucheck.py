@@ -195,7 +195,7 @@ def test_cpu_self_test_writes_both_halves_of_the_report(tmp_path):
 
 def test_each_notebook_parameter_of_the_small_pass_exists():
     from trainmech import runner
-    from trainmech.gpucheck import SMOKE
+    from trainmech.gpucheck.notebooks import SMOKE
 
     cuda = profiles.for_mode("TRAIN-CUDA-MECHANISM")
     assert set(SMOKE) == {p.stem.split("_")[0] for p in runner.discover()}

@@ -10,17 +10,20 @@ time at the Qwen2.5-0.5B shape, the offload bound they imply), (2) each package 
 small workloads (`SMOKE`), every registered cell judged from the executed notebook. The report
 goes to `<out>/gpu-check.json` and `<out>/gpu-check.md`; executed notebooks under `<out>/notebooks/`.
 Exit status 0 when nothing failed but the failures an open issue expects (`Branch.known`).
+
+Modules: `scan` finds the device-dependent sites, `branches` holds the registry and its checks,
+`limits` measures the machine, `budget` predicts the full run, `notebooks` runs the notebook pass,
+`report` writes the report, `bundle` keeps the carry bundle's list.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
-import json
 import platform
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from datetime import datetime, timezone
@@ -30,20 +33,8 @@ from trainmech.errors import TrainmechError
 from trainmech.results import REPO_ROOT
 
 SMALL_PASS_BUDGET_S = 180.0
-NOTEBOOK_TIMEOUT_S = 240.0  # a small-pass notebook takes ~20 s: a hung one must not eat the device command
 LIMITS_ESTIMATE_S = 25.0
 SMOKE_EXTRA_S = 6.0  # per notebook on CUDA beyond its CPU reference seconds: CUDA start, the 0.5B-vocabulary model
-SMOKE_MODEL = "qwen2.5-0.5b-2layers"
-# Each notebook's parameters for the small pass: the profile's smoke workloads, fewer timed steps.
-SMOKE: dict[str, dict] = {
-    "Task0": {"WORKLOAD": "smoke-loop"},
-    "Task1": {"MODEL": SMOKE_MODEL},
-    "Task2": {"WORKLOAD": "smoke-float64"},
-    "Task3": {"ACCUMULATION_WORKLOADS": ["smoke-accumulation"], "WORKLOAD": "smoke-default", "TIMED_WINDOWS": 3},
-    "Task4": {"WORKLOAD": "smoke-b2s128", "POINTS": {SMOKE_MODEL: [(2, 128)]}},
-    "Task5": {"CHECKPOINT_WORKLOAD": "smoke-b2s128", "OFFLOAD_WORKLOAD": "smoke-b2s128", "WARMUP_STEPS": 1, "TIMED_STEPS": 3},
-    "Task6": {"WORKLOAD": "smoke-gates", "WARMUP_STEPS": 1, "TIMED_STEPS": 3},
-}
 FULL_SHAPE = ("qwen2.5-0.5b", 2, 512)  # the baseline step whose phases bound the offload (b2s512_default*)
 
 
@@ -53,6 +44,7 @@ FULL_SHAPE = ("qwen2.5-0.5b", 2, 512)  # the baseline step whose phases bound th
 def plan_lines() -> list[str]:
     """What a CUDA run would do, with its estimates and the full run's budget; executes nothing."""
     from trainmech.gpucheck import branches, budget, scan
+    from trainmech.gpucheck.notebooks import SMOKE, SMOKE_MODEL
 
     sites = scan.by_key(scan.all_sites())
     fixed = budget.fixed_seconds()
@@ -159,16 +151,17 @@ def _run_one(branch, probe) -> dict:
     """Run one package check with its time and (CUDA) the device memory it used at most."""
     import torch
 
-    from trainmech.gpucheck.branches import CheckFailed
+    from trainmech.gpucheck.branches import CheckFailed, result_row, with_expectation
+    from trainmech.gpucheck.notebooks import DeviceMemory
 
     gc.collect()
     if probe.cuda:
         torch.cuda.empty_cache()
-    row = _row(branch)
-    sampler = _DeviceMemory(probe.device, every_s=0.05) if probe.cuda else None
+    row = result_row(branch)
+    sampler = DeviceMemory(probe.device, every_s=0.05) if probe.cuda else None
     t0 = time.perf_counter()
     try:
-        with sampler or _nothing():
+        with sampler if sampler is not None else contextlib.nullcontext():
             reason = branch.check(probe)
         row |= {"status": "ok", "reason": reason}
     except CheckFailed as e:
@@ -179,108 +172,17 @@ def _run_one(branch, probe) -> dict:
     row["seconds"] = round(time.perf_counter() - t0, 3)
     if sampler is not None:
         row |= sampler.used()
-    return _with_expectation(row)
-
-
-def _row(branch) -> dict:
-    return {"name": branch.name, "covers": list(branch.covers), "cuda_side": branch.cuda_side, "known": branch.known,
-            "seconds": None, "device_memory_used_peak_bytes": None, "device_memory_used_at_start_bytes": None}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _with_expectation(row: dict) -> dict:
-    if row.get("known") and row["status"] == "failed":
-        row["status"] = "expected"
-        row["reason"] = f"expected until {row['known']}: {row['reason']}"
-    elif row.get("known") and row["status"] == "ok":
-        row["reason"] += f" (passes: {row['known']} may have fixed it)"
-    return row
-
-
-class _DeviceMemory(threading.Thread):
-    """While inside, polls the whole device's used memory (cudaMemGetInfo: every process, reserved
-    memory and the CUDA context included) every `every_s` seconds; `used()` gives start and peak."""
-
-    def __init__(self, device, every_s: float = 0.25):
-        super().__init__(daemon=True)
-        import torch
-
-        self.torch, self.device, self.every_s = torch, device, every_s
-        self.stop, self.peak, self.start_used = threading.Event(), 0, 0
-
-    def _now(self) -> int:
-        free, total = self.torch.cuda.mem_get_info(self.device)
-        return total - free
-
-    def __enter__(self):
-        self.start_used = self.peak = self._now()
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.join()
-        self.peak = max(self.peak, self._now())
-        return False
-
-    def run(self):
-        while not self.stop.wait(self.every_s):
-            self.peak = max(self.peak, self._now())
-
-    def used(self) -> dict:
-        return {"device_memory_used_peak_bytes": self.peak, "device_memory_used_at_start_bytes": self.start_used}
-
-
-def run_notebooks(out: Path, device, only: list[str] | None = None, timeout: float = NOTEBOOK_TIMEOUT_S) -> tuple[list[dict], list[dict]]:
-    """Each notebook in TRAIN-CUDA-MECHANISM mode with its SMOKE parameters; (notebook rows, cell rows)."""
-    import nbformat
-
-    from trainmech import runner
-    from trainmech.gpucheck import branches
-
-    notebook_rows, cell_rows = [], []
-    for path in runner.discover(only=only):
-        task = path.stem.split("_")[0]
-        label = f"smoke-{task}"
-        t0 = time.perf_counter()
-        with _DeviceMemory(device) as sampler:
-            runner.run("TRAIN-CUDA-MECHANISM", label, only=[task], overrides=SMOKE.get(task, {}), timeout=timeout,
-                       results_root=out / "notebooks", progress=False, allow_errors=True)
-        run = json.loads((out / "notebooks" / label / "run.json").read_text(encoding="utf-8"))["notebooks"][0]
-        executed = nbformat.read(out / "notebooks" / label / "notebooks" / path.name, as_version=4)
-        by_id = {c.get("id"): c for c in executed.cells}
-        notebook_rows.append({"notebook": task, "status": run["status"], "seconds": round(time.perf_counter() - t0, 2),
-                              "error": run["error"], "records": run["records"], **sampler.used()})
-        for b in branches.notebook_cells(task):
-            status, reason = _cell_outcome(by_id.get(b.name.split(":")[1]))
-            cell_rows.append(_with_expectation(_row(b) | {"status": status, "reason": reason}))
-    return notebook_rows, cell_rows
-
-
-def _cell_outcome(cell) -> tuple[str, str]:
-    if cell is None:
-        return "failed", "the cell is gone from the notebook"
-    errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
-    if errors:
-        return "failed", f"{errors[0].get('ename')}: {str(errors[0].get('evalue')).splitlines()[0][:300] if errors[0].get('evalue') else ''}"
-    if cell.get("execution_count") is None:
-        return "not-run", "not reached (the kernel stopped before it)"
-    return "ok", "executed in TRAIN-CUDA-MECHANISM mode without an error"
+    return with_expectation(row)
 
 
 def run(out: Path, *, cpu: bool = False, skip_notebooks: bool = False, only_notebooks: bool = False,
-        only: list[str] | None = None, timeout: float = NOTEBOOK_TIMEOUT_S) -> int:
+        only: list[str] | None = None, timeout: float | None = None) -> int:
     """The whole check; writes the report and returns the exit status."""
     import torch
 
     from trainmech.gpucheck import branches, budget
+    from trainmech.gpucheck import report as report_file
+    from trainmech.gpucheck.notebooks import NOTEBOOK_TIMEOUT_S, SMOKE, run_notebooks
 
     if not cpu and not torch.cuda.is_available():
         raise TrainmechError("gpu-check needs a CUDA GPU and this machine has none; use --dry-run for the plan or --cpu for a self-test")
@@ -308,58 +210,16 @@ def run(out: Path, *, cpu: bool = False, skip_notebooks: bool = False, only_note
         say(f"notebooks in TRAIN-CUDA-MECHANISM mode: {' '.join(only)}")
         gc.collect()
         torch.cuda.empty_cache()  # the kernels get the memory the checks above had cached
-        report["notebooks"], cells = run_notebooks(out, device, only, timeout)
+        report["notebooks"], cells = run_notebooks(out, device, only, timeout or NOTEBOOK_TIMEOUT_S)
         rows += cells
     report["branches"] = rows
     report["seconds"] = round(time.perf_counter() - t0, 2)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "expected", "not-run")}
     report["summary"] = counts
-    (out / "gpu-check.json").write_text(json.dumps(report, ensure_ascii=False, indent=2, default=str) + "\n", encoding="utf-8")
-    (out / "gpu-check.md").write_text("\n".join(summary_lines(report)) + "\n", encoding="utf-8")
+    report_file.write(out, report)
     say(f"{counts['ok']} ok, {counts['failed']} failed, {counts['expected']} expected failures, {counts['not-run']} not run "
         f"in {report['seconds']:.0f} s; report in {out}")
     return 1 if counts["failed"] or counts["not-run"] else 0
-
-
-def summary_lines(report: dict) -> list[str]:
-    """The readable half of the report (Markdown)."""
-    env = report["environment"]
-    lines = [f"# gpu-check ({report['mode']})", "",
-             f"{report['started_at']}, {report['seconds']:.0f} s. {env.get('gpu') or 'no GPU'}, driver {env.get('driver')}, "
-             f"CUDA {env.get('cuda')}, Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}, "
-             f"accelerate {env.get('accelerate')}. Version problems: {'; '.join(env['version_problems']) or 'none'}. "
-             f"Bundle requirements unmet: {'; '.join(env['bundle_requirement_problems']) or 'none'}.", ""]
-    limits = report.get("limits")
-    if limits:
-        bw, ph, bound = limits["bandwidth"], limits["baseline_step"], limits["offload_bound"]
-        lines += ["## The machine's limits", "",
-                  f"- copies ({bw['path']}): host→device {bw['h2d_gbps']:.1f} GB/s, device→host {bw['d2h_gbps']:.1f} GB/s alone; "
-                  f"both at once {bw['both_h2d_gbps']:.1f} / {bw['both_d2h_gbps']:.1f} GB/s; copies equal: {bw['copies_equal']}",
-                  f"- baseline step {ph['shape']} ({ph['timer']}): forward {ph['forward_s'] * 1e3:.1f} ms, backward "
-                  f"{ph['backward_s'] * 1e3:.1f} ms, update {ph['update_s'] * 1e3:.1f} ms"
-                  + (f"; {limits['effective_tflops']:.3g} TFLOP/s effective" if limits.get("effective_tflops") else "")]
-        if bound:
-            lines.append(f"- offload bound: {bound['d2h_bytes'] / 2**30:.2f} GiB each way takes {bound['d2h_s'] * 1e3:.1f} ms D2H / "
-                         f"{bound['h2d_s'] * 1e3:.1f} ms H2D; exposed at least {bound['exposed_transfer_bound_s'] * 1e3:.1f} ms per step "
-                         f"(median ≥ x{bound['step_ratio_bound']:.2f} of the baseline)")
-        lines.append("")
-    if report.get("budget_lines"):
-        lines += ["## Budget of the full run (Qwen2.5-0.5B shape)", "", "```", *report["budget_lines"], "```", ""]
-    lines += ["## Branches", "", "| branch | status | reason | s | device memory used, peak − start |", "|---|---|---|---|---|"]
-    for r in report["branches"]:
-        peak = (f"{(r['device_memory_used_peak_bytes'] - r['device_memory_used_at_start_bytes']) / 2**20:,.0f} MiB"
-                if r.get("device_memory_used_peak_bytes") is not None else "")
-        seconds = f"{r['seconds']:.1f}" if r.get("seconds") is not None else ""
-        lines.append(f"| {r['name']} | {r['status']} | {r['reason'].replace('|', '/')} | {seconds} | {peak} |")
-    if report.get("notebooks"):
-        lines += ["", "## Notebooks (small pass)", "", "| notebook | status | s | device memory used, peak | first error |", "|---|---|---|---|---|"]
-        for n in report["notebooks"]:
-            err = f"{n['error']['ename']}: {n['error']['evalue'].splitlines()[0][:120]}" if n.get("error") else ""
-            lines.append(f"| {n['notebook']} | {n['status']} | {n['seconds']:.0f} | "
-                         f"{n['device_memory_used_peak_bytes'] / 2**30:.1f} GiB | {err.replace('|', '/')} |")
-    s = report["summary"]
-    lines += ["", f"{s['ok']} ok, {s['failed']} failed, {s['expected']} expected failures, {s['not-run']} not run."]
-    return lines
 
 
 # ----------------------------------------------------------------------------- command line
@@ -375,8 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu", action="store_true", help="self-test on the CPU: limits and package checks, no notebooks, no GPU evidence")
     parser.add_argument("--skip-notebooks", action="store_true", help="limits and package branches only")
     parser.add_argument("--only-notebooks", nargs="*", metavar="TaskN", help="the notebook pass only (all, or these notebooks)")
-    parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT_S,
-                        help=f"seconds one notebook of the small pass may run (default {NOTEBOOK_TIMEOUT_S:.0f})")
+    parser.add_argument("--timeout", type=float, help="seconds one notebook of the small pass may run (default 240)")
     return parser
 
 

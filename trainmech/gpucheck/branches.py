@@ -391,6 +391,22 @@ def notebook_cells(notebook: str) -> list[Branch]:
     return [b for b in registry() if b.notebook == notebook]
 
 
+def result_row(branch: Branch) -> dict:
+    """The report row of a branch before it runs."""
+    return {"name": branch.name, "covers": list(branch.covers), "cuda_side": branch.cuda_side, "known": branch.known,
+            "seconds": None, "device_memory_used_peak_bytes": None, "device_memory_used_at_start_bytes": None}
+
+
+def with_expectation(row: dict) -> dict:
+    """A failure its `known` issue expects becomes "expected"; a pass there says the fix may have landed."""
+    if row.get("known") and row["status"] == "failed":
+        row["status"] = "expected"
+        row["reason"] = f"expected until {row['known']}: {row['reason']}"
+    elif row.get("known") and row["status"] == "ok":
+        row["reason"] += f" (passes: {row['known']} may have fixed it)"
+    return row
+
+
 def repo_path(key: str) -> Path:
     """The file a registry key lives in (for messages)."""
     from trainmech.gpucheck.scan import NOTEBOOKS_DIR, PACKAGE_DIR

@@ -14,7 +14,6 @@ and timed steps, candidates): refresh it when a notebook's loops change.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
 from trainmech import ledger, profiles
@@ -150,5 +149,4 @@ def render(rows: list[dict]) -> list[str]:
 
 def seconds_per_flop_from(phases: dict, shape: ledger.ModelShape, batch: int, seq: int) -> float:
     """A measured step's seconds per FLOP of forward + backward (the update's own time spread over them)."""
-    flops = pass_flops(shape, batch, seq)
-    return phases["step_s"] / flops if flops and not math.isclose(flops, 0.0) else 0.0
+    return phases["step_s"] / pass_flops(shape, batch, seq)
