@@ -217,6 +217,20 @@ def test_each_notebook_parameter_of_the_small_pass_exists():
             assert (w.batch, w.seq) in [tuple(p) for p in params["POINTS"][w.model]]
 
 
+def test_the_notebook_pass_judges_each_registered_cell_from_the_executed_notebook(tmp_path):
+    """The CUDA pass's machinery on a CPU: Task0 in cpu mode with its own parameters, through the runner."""
+    from trainmech.gpucheck.notebooks import _cell_outcome, run_notebooks
+
+    notebooks, cells = run_notebooks(tmp_path, CPU, ["Task0"], 300, mode="cpu", params={})
+    assert [(n["notebook"], n["status"], n["error"]) for n in notebooks] == [("Task0", "ok", None)]
+    assert [(c["name"], c["status"]) for c in cells] == [(b.name, "ok") for b in branches.notebook_cells("Task0")]
+    assert (tmp_path / "notebooks" / "smoke-Task0" / "run.json").is_file()
+    error = {"output_type": "error", "ename": "ClaimFailed", "evalue": "1 % claim\ndetails"}
+    assert _cell_outcome({"outputs": [error], "execution_count": 3}) == ("failed", "ClaimFailed: 1 % claim")
+    assert _cell_outcome({"outputs": [], "execution_count": None})[0] == "not-run"
+    assert _cell_outcome(None)[0] == "failed"
+
+
 # ---------------------------------------------------------------- the budget
 
 

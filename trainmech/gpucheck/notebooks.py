@@ -63,32 +63,41 @@ class DeviceMemory(threading.Thread):
         return {"device_memory_used_peak_bytes": self.peak, "device_memory_used_at_start_bytes": self.start_used}
 
 
-def run_notebooks(out: Path, device, only: list[str] | None = None, timeout: float = NOTEBOOK_TIMEOUT_S) -> tuple[list[dict], list[dict]]:
-    """Each notebook in TRAIN-CUDA-MECHANISM mode with its SMOKE parameters; (notebook rows, cell rows)."""
+def run_notebooks(out: Path, device, only: list[str] | None = None, timeout: float = NOTEBOOK_TIMEOUT_S, *,
+                  mode: str = "TRAIN-CUDA-MECHANISM", params: dict[str, dict] | None = None) -> tuple[list[dict], list[dict]]:
+    """Each notebook in `mode` with its parameters (default: SMOKE); (notebook rows, cell rows).
+
+    A CPU test runs the same pass with mode "cpu" and the notebooks' own parameters.
+    """
+    import contextlib
+
     import nbformat
 
     from trainmech import runner
 
+    params = SMOKE if params is None else params
     notebook_rows, cell_rows = [], []
     for path in runner.discover(only=only):
         task = path.stem.split("_")[0]
         label = f"smoke-{task}"
         t0 = time.perf_counter()
-        with DeviceMemory(device) as sampler:
-            runner.run("TRAIN-CUDA-MECHANISM", label, only=[task], overrides=SMOKE.get(task, {}), timeout=timeout,
+        with DeviceMemory(device) if device.type == "cuda" else contextlib.nullcontext() as sampler:
+            runner.run(mode, label, only=[task], overrides=params.get(task, {}), timeout=timeout,
                        results_root=out / "notebooks", progress=False, allow_errors=True)
         run = json.loads((out / "notebooks" / label / "run.json").read_text(encoding="utf-8"))["notebooks"][0]
         executed = nbformat.read(out / "notebooks" / label / "notebooks" / path.name, as_version=4)
         by_id = {c.get("id"): c for c in executed.cells}
         notebook_rows.append({"notebook": task, "status": run["status"], "seconds": round(time.perf_counter() - t0, 2),
-                              "error": run["error"], "records": run["records"], **sampler.used()})
+                              "error": run["error"], "records": run["records"],
+                              **(sampler.used() if sampler else {"device_memory_used_peak_bytes": None,
+                                                                 "device_memory_used_at_start_bytes": None})})
         for b in notebook_cells(task):
-            status, reason = _cell_outcome(by_id.get(b.name.split(":")[1]))
+            status, reason = _cell_outcome(by_id.get(b.name.split(":")[1]), mode)
             cell_rows.append(with_expectation(result_row(b) | {"status": status, "reason": reason}))
     return notebook_rows, cell_rows
 
 
-def _cell_outcome(cell) -> tuple[str, str]:
+def _cell_outcome(cell, mode: str = "TRAIN-CUDA-MECHANISM") -> tuple[str, str]:
     if cell is None:
         return "failed", "the cell is gone from the notebook"
     errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
@@ -96,4 +105,4 @@ def _cell_outcome(cell) -> tuple[str, str]:
         return "failed", f"{errors[0].get('ename')}: {str(errors[0].get('evalue')).splitlines()[0][:300] if errors[0].get('evalue') else ''}"
     if cell.get("execution_count") is None:
         return "not-run", "not reached (the kernel stopped before it)"
-    return "ok", "executed in TRAIN-CUDA-MECHANISM mode without an error"
+    return "ok", f"executed in {mode} mode without an error"

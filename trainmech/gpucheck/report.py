@@ -46,8 +46,9 @@ def summary_lines(report: dict) -> list[str]:
         lines += ["", "## Notebooks (small pass)", "", "| notebook | status | s | device memory used, peak | first error |", "|---|---|---|---|---|"]
         for n in report["notebooks"]:
             err = f"{n['error']['ename']}: {n['error']['evalue'].splitlines()[0][:120]}" if n.get("error") else ""
+            used = n["device_memory_used_peak_bytes"]
             lines.append(f"| {n['notebook']} | {n['status']} | {n['seconds']:.0f} | "
-                         f"{n['device_memory_used_peak_bytes'] / 2**30:.1f} GiB | {err.replace('|', '/')} |")
+                         f"{'' if used is None else f'{used / 2**30:.1f} GiB'} | {err.replace('|', '/')} |")
     s = report["summary"]
     lines += ["", f"{s['ok']} ok, {s['failed']} failed, {s['expected']} expected failures, {s['not-run']} not run."]
     return lines
