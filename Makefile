@@ -2,6 +2,7 @@
 #   make run    every notebook headless in CPU mode -> results/$(LABEL)/
 #   make test   the whole suite: unit tests, lint, nbval over the committed notebooks
 #   make lab    JupyterLab on the notebooks
+#   make gpu-bundle   the wheels the GPU machine lacks (profiles/cuda-bundle.txt) into .whl/, checked
 # Each target creates or refreshes .venv by itself (only when pyproject.toml changed).
 
 PYTHON ?= python3
@@ -11,7 +12,7 @@ STAMP  := $(VENV)/.installed
 LABEL  ?= cpu-reference
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: run test lab lint venv clean
+.PHONY: run test lab lint venv clean gpu-bundle
 
 venv: $(STAMP)
 
@@ -19,7 +20,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "trainmech needs Python 3.11 or newer")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,lab]'
 	@touch $(STAMP)
 
 run: $(STAMP)
@@ -33,6 +34,15 @@ lint: $(STAMP)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
+
+# CPython 3.12, Linux x86-64, binary wheels only, no dependencies resolved: the list is complete by itself.
+GPU_PLATFORMS := $(foreach n,2_28 2_27 2_26 2_24 2_17 2014 1,--platform $(if $(filter 2014 1,$(n)),manylinux$(n),manylinux_$(n))_x86_64)
+
+gpu-bundle: $(STAMP)
+	rm -rf .whl
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d .whl -r profiles/cuda-bundle.txt
+	$(PY) -m trainmech.gpucheck.bundle .whl
 
 clean:
 	rm -rf $(VENV) results/.staging-* results/local

@@ -212,7 +212,7 @@ def test_interrupted_run_keeps_the_previous_results_whole(first_run, tmp_path, m
     env_before = os.environ.get("TRAINMECH_RESULTS_DIR")
     calls = []
 
-    def interrupted(path, out_path, params, timeout):
+    def interrupted(path, out_path, params, timeout, *_):
         calls.append(path.name)
         staging = Path(os.environ["TRAINMECH_RESULTS_DIR"])
         (staging / "TRAIN-LOOP__half.json").write_text("{", encoding="utf-8")  # a half-done run
@@ -318,3 +318,26 @@ def test_missing_parameters_cell_and_malformed_record_fail_only_their_notebook(t
     assert "cpu-mechanism (cpu-loop)" in next(line for line in md.splitlines() if line.startswith("| TRAIN-LOOP"))
     assert "no record" in next(line for line in md.splitlines() if line.startswith("| TRAIN-CHECKPOINT"))
     assert leftovers(root) == []
+
+
+# ---------------------------------------------------------------- kernels on a bare Python (the GPU machine)
+
+
+def test_kernels_run_this_interpreter_and_import_this_checkout_and_go_on_past_errors(tmp_path, monkeypatch):
+    """No venv, no installed copy: the kernel is the runner's own interpreter and finds trainmech
+    through the PYTHONPATH the runner gives it; allow_errors runs every cell and still fails the notebook."""
+    import sys
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    cells = ["import sys, trainmech\nprint(sys.executable)\nprint(trainmech.__file__)",
+             'raise RuntimeError("first")', 'print("after the error")']
+    notebooks = tmp_path / "notebooks"
+    make_notebook(notebooks, "Task0_probe", cells)
+    code = runner.run("cpu", LABEL, notebooks_dir=notebooks, results_root=tmp_path / "r", progress=False, allow_errors=True)
+    nb = nbformat.read(tmp_path / "r" / LABEL / "notebooks" / "Task0_probe.ipynb", as_version=4)
+    executable, package = nb.cells[-3].outputs[0]["text"].split()
+    assert Path(executable).resolve() == Path(sys.executable).resolve()
+    assert Path(package).resolve() == (runner.REPO_ROOT / "trainmech" / "__init__.py").resolve()
+    assert nb.cells[-1].outputs[0]["text"] == "after the error\n"
+    assert code == 1 and run_json(tmp_path / "r" / LABEL)["notebooks"][0]["error"]["evalue"] == "first"
+    assert "PYTHONPATH" not in os.environ

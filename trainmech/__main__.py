@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanic
             (see python -m trainmech ledger --help)
   portability  run the notebooks under other numeric paths (SIMD width, BLAS code path) and
             report output differences, claim margins and record drift (maintainers)
+  gpu-check run every CUDA-only branch once at small sizes and report (--dry-run: the plan and budget
+            on any machine; see python -m trainmech gpu-check --help)
 
 Examples:
   python -m trainmech run                         # all notebooks, CPU mode, label "local"
@@ -28,7 +31,16 @@ Examples:
   python -m trainmech run --mode TRAIN-CUDA-MECHANISM --label h200-2026-11-29
   python -m trainmech registry --label cpu-reference
   python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512
+  python -m trainmech gpu-check --dry-run
 """
+
+
+# Commands with a parser of their own: name -> (module with main(argv), one-line help).
+OWN_PARSERS = {
+    "ledger": ("trainmech.ledger", "the training-state ledger calculator (its own --help)"),
+    "portability": ("trainmech.portability", "outputs, margins and records under other numeric paths (its own --help)"),
+    "gpu-check": ("trainmech.gpucheck", "run every CUDA-only branch once and report (its own --help)"),
+}
 
 
 def _parse_override(text: str) -> tuple[str, object]:
@@ -45,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainmech", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger,portability}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger,portability,gpu-check}")
 
     run = sub.add_parser("run", help="execute the notebooks headless", description="Execute the Task notebooks headless with nbclient.")
     run.add_argument("--mode", default="cpu", help="run mode: cpu (default) or TRAIN-CUDA-MECHANISM (needs one CUDA GPU)")
@@ -61,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ref = sub.add_parser("refresh", help="re-execute notebooks in place (maintainers)", description="Re-execute the committed notebooks with their default parameters (CPU) and store the outputs that nbval compares against.")
     ref.add_argument("--only", nargs="+", metavar="TaskN", help="refresh only these notebooks")
 
-    sub.add_parser("ledger", add_help=False, help="the training-state ledger calculator (its own --help)")
-    sub.add_parser("portability", add_help=False, help="outputs, margins and records under other numeric paths (its own --help)")
+    for name, (_, help_text) in OWN_PARSERS.items():
+        sub.add_parser(name, add_help=False, help=help_text)
 
     lint = sub.add_parser("lint", help="glossary and prose rules", description="Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.")
     lint.add_argument("--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first")
@@ -71,14 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["ledger"]:  # the calculator parses its own options
-        from trainmech import ledger
-
-        return ledger.main(argv[1:])
-    if argv[:1] == ["portability"]:  # so does the numeric-path report
-        from trainmech import portability
-
-        return portability.main(argv[1:])
+    if argv[:1] and argv[0] in OWN_PARSERS:  # these commands parse their own options
+        return importlib.import_module(OWN_PARSERS[argv[0]][0]).main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trainmech.errors import TrainmechError
 
 SCHEMA_VERSION = 1
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_ENV = "TRAINMECH_RESULTS_DIR"  # where a session writes its records when the runner or a test sets it
 LABEL_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*\Z")  # \Z: `$` would let a trailing newline in
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 

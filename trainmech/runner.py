@@ -6,6 +6,10 @@ run is built in a staging folder and replaces `results/<label>/` as a whole at t
 executed notebooks under `notebooks/`, the records the notebooks write, `run.json`
 (per notebook: status, seconds, records, error) and `REGISTRY.md`. A failing notebook does not
 stop the others; an interrupted run leaves the previous results untouched.
+
+Kernels run the interpreter that runs the runner (ipykernel's own `python3` spec) and import this
+checkout's `trainmech` (its root goes first on their PYTHONPATH): no venv, no installed copy and
+no `jupyter` command are needed, so a bare Python with the packages on PYTHONPATH will do.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import nbformat
 
 from trainmech import profiles, results
 from trainmech.errors import TrainmechError
-from trainmech.session import REPO_ROOT, RESULTS_ENV
+from trainmech.results import REPO_ROOT, RESULTS_ENV
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 RESULTS_ROOT = REPO_ROOT / "results"
@@ -82,8 +86,13 @@ def _first_error(nb: nbformat.NotebookNode) -> dict[str, Any] | None:
     return None
 
 
-def execute_notebook(path: Path, out_path: Path, params: dict[str, Any], timeout: float) -> tuple[str, dict | None]:
-    """Execute one notebook into out_path; returns (status, error). Never raises for the notebook's errors."""
+def execute_notebook(path: Path, out_path: Path, params: dict[str, Any], timeout: float,
+                     allow_errors: bool = False) -> tuple[str, dict | None]:
+    """Execute one notebook into out_path; returns (status, error). Never raises for the notebook's errors.
+
+    allow_errors: go on after a failing cell (gpu-check reads every cell's outcome); the status is
+    still "failed", with the first error.
+    """
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
@@ -95,11 +104,14 @@ def execute_notebook(path: Path, out_path: Path, params: dict[str, Any], timeout
         nb,
         kernel_name="python3",
         timeout=int(timeout),
+        allow_errors=allow_errors,
         resources={"metadata": {"path": str(path.parent)}},
     )
     status, error = "ok", None
     try:
         asyncio.run(asyncio.wait_for(client.async_execute(), timeout=timeout))
+        if allow_errors and _first_error(nb):
+            status, error = "failed", _first_error(nb)
     except CellExecutionError as e:
         status, error = "failed", _first_error(nb) or {"ename": e.ename, "evalue": str(e.evalue)[:500], "cell": None}
     except (CellTimeoutError, asyncio.TimeoutError, TimeoutError):
@@ -115,16 +127,20 @@ def execute_notebook(path: Path, out_path: Path, params: dict[str, Any], timeout
 
 @contextlib.contextmanager
 def records_into(folder: str | Path):
-    """While inside, RESULTS_ENV points at folder: kernels started here write their records there."""
-    previous = os.environ.get(RESULTS_ENV)
+    """While inside, kernels started here write their records into folder (RESULTS_ENV) and import
+    this checkout's trainmech (REPO_ROOT first on PYTHONPATH), whether or not a venv installed it."""
+    paths = [str(REPO_ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT))]
+    previous = {name: os.environ.get(name) for name in (RESULTS_ENV, "PYTHONPATH")}
     os.environ[RESULTS_ENV] = str(folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(RESULTS_ENV, None)
-        else:
-            os.environ[RESULTS_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[str, str, dict | None]]:
@@ -180,8 +196,11 @@ def run(
     notebooks_dir: Path = NOTEBOOKS_DIR,
     results_root: Path = RESULTS_ROOT,
     progress: bool = True,
+    allow_errors: bool = False,
 ) -> int:
-    """Execute the notebooks and replace results/<label>/; returns the exit code (0 ok, 1 a notebook failed)."""
+    """Execute the notebooks and replace results/<label>/; returns the exit code (0 ok, 1 a notebook failed).
+
+    allow_errors: a notebook goes on past a failing cell (see `execute_notebook`)."""
     profile = profiles.for_mode(run_mode)
     results.check_label(run_label)
     if profile.device == "cuda":
@@ -209,7 +228,7 @@ def run(
                 bar.set_postfix_str(path.stem)
                 before = {p: p.stat().st_mtime_ns for p in results.record_paths(staging)}
                 t0 = time.perf_counter()
-                status, error = execute_notebook(path, staging / "notebooks" / path.name, params, timeout)
+                status, error = execute_notebook(path, staging / "notebooks" / path.name, params, timeout, allow_errors)
                 seconds = round(time.perf_counter() - t0, 2)
                 # new files, and files an earlier notebook wrote that this one replaced
                 written = [p for p in results.record_paths(staging) if before.get(p) != p.stat().st_mtime_ns]

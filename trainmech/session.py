@@ -20,9 +20,7 @@ import torch
 
 from trainmech import checks, profiles, results, workload
 from trainmech.errors import TrainmechError
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_ENV = "TRAINMECH_RESULTS_DIR"
+from trainmech.results import REPO_ROOT, RESULTS_ENV  # noqa: F401  (re-exported: notebooks import them from here)
 
 
 def seed_everything(seed: int) -> None:
