@@ -2,6 +2,9 @@
 #   make run    every notebook headless in CPU mode -> results/$(LABEL)/
 #   make test   the whole suite: unit tests, lint, nbval over the committed notebooks
 #   make lab    JupyterLab on the notebooks
+#   make test-portable   nbval again under a second numeric path (no SIMD kernels, MKL's compatible
+#               code path): the committed outputs must hold on other CPUs too (CI runs it after make test)
+#   make portability     the full numeric-path report -> results/portability/ (maintainers)
 #   make gpu-bundle   the wheels the GPU machine lacks (profiles/cuda-bundle.txt) into .whl/, checked
 # Each target creates or refreshes .venv by itself (only when pyproject.toml changed).
 
@@ -11,8 +14,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 LABEL  ?= cpu-reference
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+# A numeric path other than this machine's default: ATen's scalar kernels and MKL's compatible path.
+PORTABLE_PATH := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
 
-.PHONY: run test lab lint venv clean gpu-bundle
+.PHONY: run test test-portable portability lab lint venv clean gpu-bundle
 
 venv: $(STAMP)
 
@@ -28,6 +33,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests notebooks $(NBVAL)
+
+test-portable: $(STAMP)
+	$(PORTABLE_PATH) $(PY) -m pytest notebooks $(NBVAL)
+
+portability: $(STAMP)
+	$(PY) -m trainmech portability
 
 lint: $(STAMP)
 	$(PY) -m trainmech lint
@@ -45,4 +56,4 @@ gpu-bundle: $(STAMP)
 	$(PY) -m trainmech.gpucheck.bundle .whl
 
 clean:
-	rm -rf $(VENV) results/.staging-* results/local
+	rm -rf $(VENV) results/.staging-* results/local results/portability-runs
