@@ -91,8 +91,10 @@ def test_starting_a_log_starts_it_afresh(tmp_path):
     log = tmp_path / "nb.jsonl"
     log.write_text('{"stale": true}\n')
     checks.log_checks_to(log)
+    assert not log.exists()  # a stale log never outlives a new run
+    checks.log_checks_to(tmp_path / "new" / "nb.jsonl")
     checks.log_checks_to(None)
-    assert log.read_text() == ""
+    assert not (tmp_path / "new").exists()  # no check, no folder
 
 
 # ----------------------------------------------------------------------------- the sanitizer

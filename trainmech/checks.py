@@ -36,12 +36,14 @@ class ClaimFailed(AssertionError):
 
 
 def log_checks_to(path: str | Path | None) -> None:
-    """Append every later check to path (JSON lines), starting the file afresh; None stops logging."""
+    """Write every later check to path (JSON lines), replacing an earlier log; None stops logging.
+
+    Nothing is created until the first check: a session that checks nothing leaves no folder behind.
+    """
     global _log_path, _logged
     _log_path, _logged = (Path(path) if path is not None else None), 0
     if _log_path is not None:
-        _log_path.parent.mkdir(parents=True, exist_ok=True)
-        _log_path.write_text("", encoding="utf-8")
+        _log_path.unlink(missing_ok=True)
 
 
 def _log(kind: str, statement: str, holds: bool, value: float | None = None, limit: float | None = None) -> None:
@@ -49,7 +51,9 @@ def _log(kind: str, statement: str, holds: bool, value: float | None = None, lim
     if _log_path is None:
         return
     entry = {"n": _logged, "kind": kind, "statement": statement, "holds": holds, "value": _finite_or_text(value), "limit": _finite_or_text(limit)}
-    with _log_path.open("a", encoding="utf-8") as f:
+    if _logged == 0:
+        _log_path.parent.mkdir(parents=True, exist_ok=True)
+    with _log_path.open("a" if _logged else "w", encoding="utf-8") as f:
         f.write(json.dumps(entry, ensure_ascii=False) + "\n")
     _logged += 1
 
