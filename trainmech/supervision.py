@@ -18,11 +18,14 @@ The two agree only when every micro-batch supervises the same number of tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from trainmech import amp
 from trainmech.errors import TrainmechError
 from trainmech.workload import IGNORE_INDEX, supervised_tokens
 
@@ -32,7 +35,7 @@ NORMALIZATIONS = ("window_tokens", "micro_mean")
 class Window(NamedTuple):
     """What one accumulation window produced: its loss (as the normalisation defines it) and counts."""
 
-    loss: torch.Tensor  # 0-dim float64, detached: the sum of the micro-batch losses that were back-propagated
+    loss: torch.Tensor  # 0-dim float64 on the batch's device, detached: the sum of the back-propagated micro-batch losses
     effective_tokens: int  # supervised tokens of the whole window, after the causal shift
     micro_tokens: tuple[int, ...]  # supervised tokens of each micro-batch
 
@@ -89,6 +92,11 @@ def accumulate_gradients(
     micro_batches: list[dict[str, torch.Tensor]],
     *,
     normalization: str = "window_tokens",
+    context: Callable[[], AbstractContextManager] = nullcontext,
+    precision: str = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
+    model_kwargs: dict | None = None,
+    micro_tokens: tuple[int, ...] | None = None,
 ) -> Window:
     """Forward and backward over one accumulation window, adding into every parameter's .grad.
 
@@ -97,13 +105,24 @@ def accumulate_gradients(
     `denominators`) before backward, so after the call .grad holds the gradient of the window's
     loss. The caller zeroes .grad at the window's start (as `optimizer.zero_grad()` does).
     A window without any supervised token is refused before any forward: .grad stays as it was.
+
+    A training strategy plugs in without another copy of this loop: `context()` is entered around
+    each micro-batch's forward and backward (checkpointing, offload hooks), the forward runs under
+    the autocast of `precision` ("fp32" / "bf16" / "fp16", trainmech.amp), `scaler` (a GradScaler)
+    scales each loss before its backward, and `model_kwargs` go to every forward (e.g. use_cache=False).
+    The window's loss stays a device tensor; with the token counts given (`micro_tokens`, counted once
+    for a fixed window) nothing here waits for the device.
     """
-    micro_tokens = tuple(supervised_tokens(mb["labels"]) for mb in micro_batches)
+    if micro_tokens is None:
+        micro_tokens = tuple(supervised_tokens(mb["labels"]) for mb in micro_batches)
     divisors = denominators(micro_tokens, normalization)  # refuses before touching .grad
-    window_loss = torch.zeros((), dtype=torch.float64)
+    device = micro_batches[0]["input_ids"].device
+    window_loss = torch.zeros((), dtype=torch.float64, device=device)
     for mb, divisor in zip(micro_batches, divisors):
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits  # (B_i, T_i, V)
-        loss = token_loss_sum(logits, mb["labels"]) / divisor
-        loss.backward()  # adds this micro-batch's share into .grad; its graph is freed here
-        window_loss += loss.detach().double().cpu()
+        with context():
+            with amp.autocast(device, precision):
+                logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], **(model_kwargs or {})).logits
+            loss = token_loss_sum(logits, mb["labels"]) / divisor  # (B_i, T_i, V) logits -> a float32 scalar
+            (loss if scaler is None else scaler.scale(loss)).backward()  # adds this micro-batch's share into .grad
+        window_loss += loss.detach()
     return Window(window_loss, sum(micro_tokens), micro_tokens)

@@ -58,8 +58,15 @@ class UpdateClock:
 
 
 def grads_finite(params) -> bool:
-    """True when every existing .grad is free of inf and NaN (parameters without .grad are ignored)."""
-    return all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+    """True when every existing .grad is free of inf and NaN (parameters without .grad are ignored).
+
+    One fused check, one wait for the device: the largest |g| over all gradients (the ∞-norm, which
+    NaN and inf propagate into) is finite, rather than one `bool(...)` per parameter.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)))
 
 
 def step_if_finite(optimizer: torch.optim.Optimizer) -> bool:

@@ -158,6 +158,23 @@ def prompt_response_batch(pairs: list[tuple[str, str]]) -> dict[str, torch.Tenso
     return pad_batch(seqs, supervise_from=starts)
 
 
+def uneven_batch(rows: int, seq: int, part: str = "domain", offset: int = 0) -> dict[str, torch.Tensor]:
+    """rows × seq tokens whose rows differ in length (right padding) and in where supervision starts
+    (response-only), so micro-batches supervise unequal token counts: a per-micro-batch mean cannot hide.
+
+    The rows cycle through four (length, supervised from) patterns and read successive stretches of the
+    part's token stream from `offset` on, wrapping around its end.
+    """
+    pattern = [(seq, 0), (seq * 3 // 8, seq // 4), (seq * 7 // 8, seq * 5 // 8), (seq // 2, 1)]  # (length, supervised from)
+    stream, sequences, starts = token_stream(part), [], []
+    for i in range(rows):
+        length, start = pattern[i % len(pattern)]
+        sequences.append([stream[(offset + t) % len(stream)] for t in range(length)])
+        starts.append(start)
+        offset += length
+    return pad_batch(sequences, supervise_from=starts)
+
+
 def supervised_tokens(labels: torch.Tensor) -> int:
     """Positions that enter the loss after the causal shift: labels[:, 1:] != IGNORE_INDEX."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -7,20 +7,6 @@ import torch
 from trainmech.exercises import _Run, _Wrong, _exercise, _fmt_index, _tensor, _tiny_model, _tuple
 
 
-def _uneven_batch(rows: int, seq: int) -> dict[str, torch.Tensor]:
-    """Rows of different lengths and supervision starts (Task3 · 1): unequal token counts per micro-batch."""
-    from trainmech import workload
-
-    pattern = [(seq, 0), (seq * 3 // 8, seq // 4), (seq * 7 // 8, seq * 5 // 8), (seq // 2, 1)]
-    stream, sequences, starts, offset = workload.token_stream("domain"), [], [], 0
-    for i in range(rows):
-        length, start = pattern[i % len(pattern)]
-        sequences.append(list(stream[offset: offset + length]))
-        starts.append(start)
-        offset += length
-    return workload.pad_batch(sequences, supervise_from=starts)
-
-
 @_exercise("task3.accumulate_window", "累计窗口：按整个窗口的监督 Token 数归一化")
 def _task3_window(run: _Run) -> None:
     from trainmech import supervision, workload
@@ -28,7 +14,7 @@ def _task3_window(run: _Run) -> None:
     model = _tiny_model()
     names = [n for n, _ in model.named_parameters()]
     sizes = [p.numel() for p in model.parameters()]
-    batch = _uneven_batch(4, 32)
+    batch = workload.uneven_batch(4, 32)   # rows of different lengths and supervision starts (Task3 · 1)
     half_empty = {**batch, "labels": batch["labels"].clone()}
     half_empty["labels"][2:] = workload.IGNORE_INDEX   # the second micro-batch supervises nothing
 
