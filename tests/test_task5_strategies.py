@@ -1,16 +1,25 @@
-"""Task5 guard: activation checkpointing and activation offload (trainmech.strategies).
+"""Task5 guard: activation checkpointing (trainmech.checkpointing), activation offload (trainmech.offload),
+optimizer-in-backward, and the ledger's scenario views (trainmech.scenarios) against measured steps.
 
 On the CPU the arithmetic of a recomputed forward, and of a backward reading restored copies, is
 the arithmetic of the baseline, so loss and every gradient must be bitwise equal. A tiny real
-Qwen2ForCausalLM (3 layers) keeps the suite fast; the pitfalls use a few-line function.
+Qwen2ForCausalLM (3 layers) keeps the suite fast; the pitfalls use a few-line function. Every CUDA
+path's bookkeeping (groups, the stash, the prefetch window, the host arena, the refusals) runs here
+with the CPU copy path; only streams and events are absent.
 """
+
+from contextlib import contextmanager
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from trainmech import strategies as S
+from trainmech import checkpointing as C
+from trainmech import ledger, measure, scenarios
+from trainmech.errors import TrainmechError
+from trainmech.offload import ActivationOffload, CountingSaveOnCpu, HostArena, OffloadBook, restore_check
+from trainmech.optimizer_in_backward import OptimizerInBackward
 
 B, T, V, LAYERS = 2, 16, 97, 3
 
@@ -60,13 +69,22 @@ def baseline(model, batch):
     return step(model, batch)
 
 
+@pytest.fixture(scope="module")
+def tensors(batch):
+    """The batch as training_step_memory takes it (it passes use_cache=False itself)."""
+    return {k: v for k, v in batch.items() if k != "use_cache"}
+
+
+HIDDEN = B * T * 32 * 4  # one hidden state of the tiny model, float32
+
+
 # ----------------------------------------------------------------------------- checkpointing
 
 
 def test_hf_checkpointing_equal_and_replays_every_layer(model, batch, baseline):
-    count = S.RecomputeCount()
-    with S.hf_checkpointing(model, context_fn=S.counting_context(count)):
-        with S.count_calls([layer.mlp for layer in model.model.layers]) as calls:
+    count = C.RecomputeCount()
+    with C.hf_checkpointing(model, context_fn=C.counting_context(count)):
+        with C.count_calls([layer.mlp for layer in model.model.layers]) as calls:
             model.zero_grad(set_to_none=True)
             out = model(**batch)
             forward_calls = sum(calls.values())
@@ -81,9 +99,9 @@ def test_hf_checkpointing_equal_and_replays_every_layer(model, batch, baseline):
 
 @pytest.mark.parametrize("every, replayed", [(1, [0, 1, 2]), (2, [0, 2]), (3, [0])])
 def test_checkpoint_layers_equal_and_counts(model, batch, baseline, every, replayed):
-    count = S.RecomputeCount()
-    with S.checkpoint_layers(model.model.layers, every, context_fn=S.counting_context(count)) as chosen:
-        with S.count_calls([layer.mlp for layer in model.model.layers]) as calls:
+    count = C.RecomputeCount()
+    with C.checkpoint_layers(model.model.layers, every, context_fn=C.counting_context(count)) as chosen:
+        with C.count_calls([layer.mlp for layer in model.model.layers]) as calls:
             got = step(model, batch)
     assert chosen == replayed
     assert_bitwise(got, baseline)
@@ -95,19 +113,61 @@ def test_checkpoint_layers_equal_and_counts(model, batch, baseline, every, repla
     assert "forward" not in vars(model.model.layers[0])  # the wrapper is gone after the block
 
 
-def test_selective_checkpoint_saves_matmuls(model, batch, baseline):
-    full, selective = S.RecomputeCount(), S.RecomputeCount()
-    with S.checkpoint_layers(model.model.layers, context_fn=S.counting_context(full)):
+def test_count_calls_ignores_evaluation_forwards(model, batch):
+    with C.count_calls([model.model.layers[0]]) as calls:
+        model.eval()
+        with torch.no_grad():
+            model(**batch)
+        model.train()
+        model(**batch)
+    assert calls[0] == 1
+
+
+def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch, baseline):
+    full, selective = C.RecomputeCount(), C.RecomputeCount()
+    with C.checkpoint_layers(model.model.layers, context_fn=C.counting_context(full)):
         step(model, batch)
-    with S.checkpoint_layers(model.model.layers, context_fn=S.counting_context(selective, S.save_matmuls)):
+    with C.checkpoint_layers(model.model.layers, context_fn=C.counting_context(selective, C.save_matmuls)):
         got = step(model, batch)
+    with torch.no_grad(), C.dispatched_ops(model.model.layers) as dispatched:
+        model(**batch)
     assert_bitwise(got, baseline)
     assert selective.forward_ops == full.forward_ops
-    # per layer: q, k, v, o projections, attention, gate, up, down
-    assert selective.saved_ops == 8 * LAYERS
-    assert not {op.__name__ for op in S.MATMUL_OPS} & set(selective.recomputed_by_op)
+    assert selective.saved_ops == sum(dispatched.values()) == 8 * LAYERS  # CPU: q, k, v, o, one fused SDPA, gate, up, down
+    assert not {op.__name__ for op in C.MATMUL_OPS} & set(selective.recomputed_by_op)
     assert {"mm.default", "addmm.default"} & set(full.recomputed_by_op)
     assert 0 < selective.recomputed_ops < full.recomputed_ops
+
+
+def test_dispatched_ops_follow_the_attention_kernel(model, batch):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), C.dispatched_ops(model.model.layers) as dispatched:
+        model(**batch)
+    assert dispatched["bmm.default"] == 2 * LAYERS  # the math kernel: scores and the weighted sum
+    assert not any("scaled_dot_product" in name for name in dispatched)
+
+
+def test_recomputed_tensors_are_saved_tensors_in_a_measurement(batch, tensors):
+    """One vocabulary with the ledger: what the backward re-creates is filed as saved, not workspace."""
+    model = tiny_model()  # updated here: not the module's shared model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step(model, batch)
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    with C.hf_checkpointing(model):
+        tracked = measure.training_step_memory(model, optimizer, tensors)
+    rebuilt = [a for a in tracked.allocations if a.born_phase.endswith(":recompute")]
+    assert rebuilt and {tracked.category(a) for a in rebuilt} == {"saved", "activations"}
+    assert all(tracked.category(a) == "saved" for a in rebuilt if a.died_phase != a.born_phase)
+
+
+def test_born_as_without_a_tracker_does_nothing_and_refuses_an_unknown_rebuild():
+    with measure.born_as("fetch"):
+        torch.ones(3)
+    with pytest.raises(TrainmechError, match="unknown rebuild"):
+        with measure.born_as("prefetch"):
+            pass
 
 
 def _scaled_tanh(w):
@@ -153,15 +213,76 @@ def test_dropout_rng_preserved_or_not():
     batch = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
     ref = step(model, batch, seed=5)
     assert_bitwise(step(model, batch, seed=5), ref)  # the baseline itself is reproducible
-    with S.checkpoint_layers(model.model.layers, preserve_rng_state=True):
+    with C.checkpoint_layers(model.model.layers, preserve_rng_state=True):
         assert_bitwise(step(model, batch, seed=5), ref)
-    with S.checkpoint_layers(model.model.layers, preserve_rng_state=False):
+    with C.checkpoint_layers(model.model.layers, preserve_rng_state=False):
         loss, grads = step(model, batch, seed=5)
     assert torch.equal(loss, ref[0])  # the forward drew the same masks …
     assert any(not torch.equal(grads[n], ref[1][n]) for n in grads)  # … the replay did not
 
 
-# ----------------------------------------------------------------------------- offload
+def test_checkpoint_layers_rejects_bad_every(model):
+    with pytest.raises(ValueError, match="every"):
+        with C.checkpoint_layers(model.model.layers, 0):
+            pass
+
+
+# ----------------------------------------------------------------------------- offload: the bookkeeping
+
+
+def test_book_keeps_parameters_small_and_exempt_groups_and_moves_the_rest():
+    book = OffloadBook(min_bytes=100, exempt_from=2)
+    book.group = 0
+    assert book.keep_reason(1000, True, True) == "param"
+    assert book.keep_reason(99, False, True) == "small"
+    assert book.keep_reason(1000, False, False) == "small"  # on another device
+    assert book.keep_reason(1000, False, True) is None
+    book.group = 2
+    assert book.keep_reason(1000, False, True) == "exempt"
+
+
+def test_book_lets_go_of_a_group_when_the_group_after_next_starts_and_fetches_a_window_ahead():
+    book = OffloadBook(min_bytes=1, exempt_from=4, prefetch_groups=2, stash_groups=1)
+    entries = []
+    for g in range(4):
+        book.start_group(g)
+        entries.append(book.new_entry(10, 0))
+    # at the start of group 3, group 0 and 1 were let go (group g goes when g + 2 starts), 2 and 3 are held
+    assert book.stats.stash_peak_bytes == 20
+    assert book.start_group(4) == [entries[2]]  # group 2 goes when group 4 (after the last layer) starts
+    assert book.start_backward() == [entries[3]]  # the rest at the first unpack
+    assert book.to_fetch(4) == [entries[3], entries[2]]  # nearest first: the groups 2 … 4
+    for e in (entries[3], entries[2]):
+        book.fetching(e, ahead=True)
+        e.fetched = object()
+    assert book.to_fetch(3) == [entries[1]]
+    assert book.unpacked(entries[3]) is True  # its last reference
+    with pytest.raises(TrainmechError, match="unpacked again after its last use"):
+        book.unpacked(entries[3])
+    with pytest.raises(TrainmechError, match="after the backward started"):
+        book.new_entry(10, 0)
+
+
+def test_book_refuses_negative_settings():
+    with pytest.raises(TrainmechError, match="must be ≥ 0"):
+        OffloadBook(min_bytes=-1)
+
+
+def test_arena_reuses_its_chunks_and_refuses_a_second_owner():
+    arena = HostArena(pinned=False, chunk_bytes=1000)
+    first, second = object(), object()
+    arena.claim(first)
+    views = [arena.slot(300), arena.slot(300), arena.slot(600)]  # the third does not fit: a second chunk
+    assert arena.allocations == 2 and views[1].data_ptr() - views[0].data_ptr() == 512  # aligned slots
+    with pytest.raises(TrainmechError, match="still held by another ActivationOffload"):
+        arena.claim(second)
+    arena.release(first)
+    arena.claim(second)
+    again = [arena.slot(300), arena.slot(300), arena.slot(600)]
+    assert arena.allocations == 2 and [v.data_ptr() for v in again] == [v.data_ptr() for v in views]
+
+
+# ----------------------------------------------------------------------------- offload: the hooks on a model
 
 
 def offload_step(model, batch, hooks):
@@ -172,108 +293,206 @@ def offload_step(model, batch, hooks):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("prefetch_bytes", [0, 4096, 1 << 30])
-def test_offload_equal_counts_bytes_and_keeps_params(model, batch, baseline, prefetch_bytes):
-    hidden_bytes = B * T * model.config.hidden_size * 4
-    offload = S.ActivationOffload("cpu", keep=model.parameters(), min_bytes=hidden_bytes // 2, prefetch_bytes=prefetch_bytes)
+@pytest.mark.parametrize("prefetch_groups", [0, 1, 2])
+def test_offload_equal_counts_bytes_and_keeps_params(model, batch, baseline, prefetch_groups):
+    offload = ActivationOffload.for_model(model, min_bytes=HIDDEN // 2, prefetch_groups=prefetch_groups, arena=HostArena(pinned=False))
     got = offload_step(model, batch, offload)
     stats = offload.finish()
     assert_bitwise(got, baseline)
-    assert stats.kept_params > 0 and stats.kept_small > 0 and stats.offloaded > 0
-    assert stats.packed == stats.kept_params + stats.kept_small + stats.offloaded + stats.shared
+    assert stats.kept_params > 0 and stats.kept_small > 0 and stats.kept_exempt > 0 and stats.offloaded > 0
+    assert stats.packed == stats.kept_params + stats.kept_small + stats.kept_exempt + stats.offloaded + stats.shared
     assert stats.d2h_bytes == stats.h2d_bytes > 0
-    assert stats.d2h_bytes % hidden_bytes == 0 or stats.d2h_bytes >= hidden_bytes
-    assert stats.transfer_s is None and stats.h2d_wait_s is None  # no CPU number dressed as GPU evidence
-    if prefetch_bytes == 0:
-        assert stats.prefetched == 0
-    else:
-        assert stats.prefetched > 0
-    if prefetch_bytes == 1 << 30:
-        assert stats.prefetched >= stats.offloaded // 2  # most copies were issued ahead of use
+    assert stats.prefetched + stats.on_demand == stats.offloaded
+    assert stats.transfer_s is None and stats.exposed_transfer_s is None  # no CPU number dressed as GPU evidence
     assert offload.host_bytes() == 0  # finish() released the host buffers
+    assert all(e.group < LAYERS - 1 for e in offload.entries)  # the last layer stays on the device
+
+
+def test_offload_moves_what_the_ledger_lists_and_its_peak_is_the_ledgers(batch, tensors):
+    """The ledger's offload view (scenarios.offloaded) models the groups, the stash and the prefetch window.
+
+    min_bytes half a hidden state: the ledger lists RoPE's cos and sin as one state, the hooks see two storages,
+    so a threshold between their sizes would split them differently (far below min_bytes on the real shapes)."""
+    model = tiny_model()  # updated here: not the module's shared model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step(model, batch)
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    hooks = ActivationOffload.for_model(model, min_bytes=HIDDEN // 2, prefetch_groups=1)
+    with hooks:
+        tracked = measure.training_step_memory(model, optimizer, tensors)
+    hooks.finish()
+    book = ledger.training_state_lifecycle(model.config, B, T, device="cpu")
+    view = scenarios.offloaded(book, min_bytes=HIDDEN // 2, prefetch_groups=1)
+    assert scenarios.offloaded_bytes(book, min_bytes=HIDDEN // 2) == hooks.stats.d2h_bytes
+    assert abs(view.peak_overlap().bytes / tracked.peak_bytes - 1) <= 0.01
+    assert view.peak_overlap().phase == tracked.peak_phase
+    fetched = [a for a in tracked.allocations if a.born_phase.endswith(":fetch")]
+    assert fetched and all(tracked.category(a) == "saved" for a in fetched)  # one vocabulary with the ledger
+
+
+def test_offload_second_step_allocates_no_host_memory_and_two_at_once_are_refused(model, batch):
+    arena = HostArena(pinned=False)
+    stats = []
+    for _ in range(2):
+        hooks = ActivationOffload.for_model(model, min_bytes=HIDDEN // 2, arena=arena)
+        offload_step(model, batch, hooks)
+        stats.append(hooks.finish())
+    assert stats[0].host_chunks_allocated == 1 and stats[1].host_chunks_allocated == 0
+    first = ActivationOffload.for_model(model, min_bytes=HIDDEN // 2, arena=arena)
+    with first:
+        out = model(**batch)
+    with pytest.raises(TrainmechError, match="still held"):
+        offload_step(model, batch, ActivationOffload.for_model(model, min_bytes=HIDDEN // 2, arena=arena))
+    out.loss.backward()
+    first.finish()
+
+
+def test_offload_refuses_a_second_backward_in_one_sentence(model, batch):
+    hooks = ActivationOffload.for_model(model, min_bytes=HIDDEN // 2, arena=HostArena(pinned=False))
+    model.zero_grad(set_to_none=True)
+    with hooks:
+        loss = model(**batch).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(TrainmechError) as e:
+        loss.backward()
+    assert "unpacked again after its last use" in str(e.value) and "\n" not in str(e.value)
+    hooks.finish()
+    model.zero_grad(set_to_none=True)
+
+
+def test_offload_holds_each_group_until_the_group_after_next_starts(model, batch):
+    """The stash: a moved storage's device copy lives on until its D2H was waited for (CPU: the same timing)."""
+    hooks = ActivationOffload.for_model(model, min_bytes=HIDDEN // 2, arena=HostArena(pinned=False))
+    per_group = {}
+    model.zero_grad(set_to_none=True)
+    with hooks:
+        out = model(**batch)
+    for e in hooks.entries:
+        per_group[e.group] = per_group.get(e.group, 0) + e.nbytes
+    assert hooks.stats.stash_peak_bytes == max(per_group[g] + per_group.get(g + 1, 0) for g in per_group)
+    out.loss.backward()
+    hooks.finish()
 
 
 def test_offload_restores_bitwise_and_leaves_params_and_small_in_place(model, batch):
-    hidden_bytes = B * T * model.config.hidden_size * 4
-    offload = S.ActivationOffload("cpu", keep=model.parameters(), min_bytes=hidden_bytes // 2)
+    offload = ActivationOffload.for_model(model, min_bytes=HIDDEN // 2, arena=HostArena(pinned=False))
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept = []
     pack = offload.pack_hook
 
     def spy(t):
         packed = pack(t)
-        if isinstance(packed, torch.Tensor):
-            same = packed.data_ptr() == t.data_ptr() and packed.shape == t.shape and packed.stride() == t.stride()
-            kept.append((same and not packed.requires_grad, t.untyped_storage().data_ptr() in param_ptrs,
+        if isinstance(packed[0], int):
+            same = packed[1].data_ptr() == t.data_ptr() and packed[1].shape == t.shape and packed[1].stride() == t.stride()
+            kept.append((same and not packed[1].requires_grad, t.untyped_storage().data_ptr() in param_ptrs,
                          t.untyped_storage().nbytes()))
         return packed
 
     offload.pack_hook = spy
-    hooks, counts = S.restore_check(offload)
+    hooks, counts = restore_check(offload)
     offload_step(model, batch, hooks)
+    offload.finish()
     assert counts["checked"] == offload.stats.packed > 0
     assert counts["values_differ"] == 0 and counts["strides_differ"] == 0
     assert all(same for same, _, _ in kept)  # kept tensors: the same memory, detached (no reference cycle)
-    assert all(is_param or nbytes < hidden_bytes // 2 for _, is_param, nbytes in kept)
     assert sum(is_param for _, is_param, _ in kept) == offload.stats.kept_params
 
 
-def test_offload_host_copy_is_a_separate_buffer(model, batch):
+def test_host_arena_is_invisible_to_device_trackers(model, batch):
+    """Off CUDA the host chunks are made outside any dispatch mode, as a GPU allocator would not see pinned memory."""
+    arena = HostArena(pinned=False)
+    offload = ActivationOffload.for_model(model, min_bytes=1, arena=arena)
+    tracker = measure.StorageTracker()
     model.zero_grad(set_to_none=True)
-    with S.ActivationOffload("cpu", keep=model.parameters(), min_bytes=1) as offload:
+    with offload, tracker:
         out = model(**batch)
-    assert offload.host_bytes() == offload.stats.d2h_bytes > 0
-    live = {t.untyped_storage().data_ptr() for t in [out.logits]}
-    assert not live & {e.host.untyped_storage().data_ptr() for e in offload.entries}
+    chunks = {c.untyped_storage().data_ptr() for c in arena.chunks}
+    assert chunks and not any(a.nbytes == arena.chunks[0].numel() for a in tracker.allocations)
     out.loss.backward()
     offload.finish()
 
 
 def test_save_on_cpu_moves_everything_and_restores_values(model, batch, baseline):
-    hooks = S.CountingSaveOnCpu("cpu")
+    hooks = CountingSaveOnCpu("cpu")
     got = offload_step(model, batch, hooks)
-    stats = hooks.finish()
+    stats = hooks.read_times()
     assert_bitwise(got, baseline)
     assert stats.packed == stats.offloaded > 0 and stats.kept_params == 0
-    assert stats.d2h_bytes == stats.h2d_bytes
-    ours = S.ActivationOffload("cpu", keep=model.parameters(), min_bytes=1)
+    assert stats.d2h_bytes == stats.h2d_bytes and stats.transfer_s is None
+    ours = ActivationOffload.for_model(model, min_bytes=1, exempt_last=0, arena=HostArena(pinned=False))
     offload_step(model, batch, ours)
     assert ours.finish().d2h_bytes < stats.d2h_bytes  # no parameters, no repeated storages
-    wrapped, counts = S.restore_check(S.CountingSaveOnCpu("cpu"))
+    wrapped, counts = restore_check(CountingSaveOnCpu("cpu"))
     offload_step(model, batch, wrapped)
     assert counts["values_differ"] == 0  # values come back; strides may not (contiguous copies)
 
 
-def test_checkpoint_layers_rejects_bad_every(model):
-    with pytest.raises(ValueError, match="every"):
-        with S.checkpoint_layers(model.model.layers, 0):
-            pass
+# ----------------------------------------------------------------------------- optimizer-in-backward and the scenarios
 
 
-def test_host_buffers_are_invisible_to_device_trackers(model, batch):
-    """Off CUDA the host copies are made outside any dispatch mode, as a GPU allocator would not see pinned memory."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def test_optimizer_in_backward_equals_adamw_and_frees_every_gradient(batch):
+    def two_updates(in_backward):
+        model = tiny_model()
+        optimizer = (OptimizerInBackward(model.parameters(), lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
+                     if in_backward else torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False))
+        for _ in range(2):
+            model(**batch).loss.backward()
+            if in_backward:
+                assert all(p.grad is None for p in model.parameters())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()], optimizer
 
-    class Births(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.storages = []  # held, so no address is reused while we compare
+    plain, _ = two_updates(False)
+    fused, opt = two_updates(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused))
+    assert opt.updates == 2 * len(plain) and len(opt.state) == len(plain)
+    opt.remove()
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self.storages.append(t.untyped_storage())
-            return out
 
-    offload = S.ActivationOffload("cpu", keep=model.parameters(), min_bytes=1)
-    model.zero_grad(set_to_none=True)
-    with offload, Births() as births:
-        out = model(**batch)
-    hosts = {e.host.untyped_storage().data_ptr() for e in offload.entries}
-    assert hosts and not hosts & {st.data_ptr() for st in births.storages}
-    out.loss.backward()
-    offload.finish()
+@contextmanager
+def _offloaded(model):
+    hooks = ActivationOffload.for_model(model, min_bytes=HIDDEN // 4, arena=HostArena(pinned=False))
+    with hooks:
+        yield hooks
+    hooks.finish()
+
+
+def test_scenario_matrix_predicts_every_measured_cell(model, tensors):
+    """Strategies x first / steady x forward+backward / whole update x optimizer steps: the ledger's views within 1 %."""
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optimizers = {"foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+                  "for-loop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
+                  "fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+                  "in-backward": lambda ps: OptimizerInBackward(ps, lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False))}
+    got = scenarios.measure_matrix(model, tensors, initial, optimizers=optimizers,
+                                   strategies={"baseline": None, "checkpoint": lambda m: C.hf_checkpointing(m), "offload": _offloaded})
+    rows = scenarios.scenario_matrix(model.config, B, T, device="cpu", optimizers=tuple(optimizers), min_bytes=HIDDEN // 4)
+    measured = {k: (m.forward_backward_bytes, m.update_bytes) for k, m in got.items()}
+    assert len(rows) == 24 and scenarios.worst_error(rows, measured) <= 0.01
+    text = scenarios.render(rows, unit=2**10, unit_name="KiB", measured_rows=measured)
+    assert text.count("\n") == 24 and "in-backward" in text
+    assert all(m.update_allocated is None for m in got.values())  # no CUDA allocator here: unknown, not 0
+
+
+def test_scenario_views_refuse_what_they_do_not_model():
+    book = ledger.training_state_lifecycle("qwen2-tiny", 1, 32)
+    with pytest.raises(TrainmechError, match="unknown optimizer step"):
+        scenarios.with_optimizer(book, "adafactor")
+    with pytest.raises(TrainmechError, match="modelled for AdamW"):
+        scenarios.with_optimizer(ledger.training_state_lifecycle("qwen2-tiny", 1, 32, optimizer="sgd"), "foreach")
+    with pytest.raises(TrainmechError, match="strategy must be one of"):
+        scenarios.scenario_ledger("qwen2-tiny", 1, 32, strategy="zero", step="first")
+
+
+def test_gpu_shape_scenarios_tell_the_forward_backward_peak_from_the_update_peak():
+    rows = scenarios.scenario_matrix("qwen2.5-0.5b", 2, 512, device="cuda", optimizers=("default", "in-backward"))
+    drops = scenarios.drops(rows, "checkpoint")
+    assert drops[("first", "default", "fwd+bwd")] > 0.25 and drops[("first", "default", "update")] < 0.01  # the step peaks
+    assert drops[("steady", "in-backward", "update")] > drops[("steady", "default", "update")]  # the remedy
+    per_row = {s: scenarios.bytes_per_row("qwen2.5-0.5b", 2, 256, strategy=s, device="cuda") for s in ("baseline", "checkpoint")}
+    assert per_row["checkpoint"] < per_row["baseline"] / 2
 
 
 def test_strategy_timelines_figure():

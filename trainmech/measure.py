@@ -89,6 +89,29 @@ def cuda_allocated(device: torch.device) -> int | None:
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "saved", "workspace")
 FORWARD_PHASES = ("forward", "loss")  # phase-name prefixes of the forward pass and the loss
+REBUILDS = ("recompute", "fetch")  # backward moments that re-create saved tensors: a checkpoint's replay, an offload's copy back
+_ACTIVE: list[StorageTracker] = []  # the trackers recording now
+
+
+@contextmanager
+def born_as(rebuild: str):
+    """Storages born inside are re-created saved tensors (`rebuild`: "recompute" or "fetch").
+
+    A checkpoint's replay and an offload's copy back run in the backward, yet what they create is
+    what the forward would have kept: every active StorageTracker labels those births
+    `<phase>:<rebuild>`, and `StepMemory.category` files them under saved (activations if they die
+    before the rebuild ends), the ledger's word for them. Without an active tracker it does nothing.
+    """
+    if rebuild not in REBUILDS:
+        raise TrainmechError(f"unknown rebuild {rebuild!r}; valid: {', '.join(REBUILDS)}")
+    trackers = list(_ACTIVE)
+    for t in trackers:
+        t.rebuilds.append(rebuild)
+    try:
+        yield
+    finally:
+        for t in trackers:
+            t.rebuilds.pop()
 
 
 @dataclass
@@ -98,7 +121,7 @@ class Allocation:
     nbytes: int
     op: str  # the ATen op that created it
     born: int  # index of its birth event
-    born_phase: str
+    born_phase: str  # `<phase>:<rebuild>` when born inside `born_as` (a recompute or an offload's fetch)
     died: int | None = None  # index of its release event; None: still alive when tracking stopped
     died_phase: str | None = None
     tag: str | None = None  # "gradients" / "optimizer_states", set by StorageTracker.tag
@@ -119,6 +142,11 @@ class StorageTracker(TorchDispatchMode):
         self._bytes = 0
         self._alive: dict[int, int] = {}  # id(storage) -> index into allocations
         self._finalizers: dict[int, weakref.finalize] = {}
+        self.rebuilds: list[str] = []  # set by born_as: what the backward is re-creating right now
+
+    def _label(self) -> str:
+        """The phase an allocation is born or released in, with the rebuild under way if any."""
+        return f"{self.phase}:{self.rebuilds[-1]}" if self.rebuilds else self.phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -139,7 +167,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _born(self, storage, op: str) -> None:
         index = len(self.allocations)
-        self.allocations.append(Allocation(storage.nbytes(), op, self._event(storage.nbytes()), self.phase))
+        self.allocations.append(Allocation(storage.nbytes(), op, self._event(storage.nbytes()), self._label()))
         self._alive[id(storage)] = index
         self._finalizers[index] = weakref.finalize(storage, self._released, id(storage), index)
 
@@ -147,7 +175,7 @@ class StorageTracker(TorchDispatchMode):
         a = self.allocations[index]
         self._alive.pop(key, None)
         self._finalizers.pop(index, None)
-        a.died, a.died_phase = self._event(-a.nbytes), self.phase
+        a.died, a.died_phase = self._event(-a.nbytes), self._label()
 
     def tag(self, tensors, label: str) -> None:
         """Label the tracked storages of these tensors (e.g. every p.grad as "gradients")."""
@@ -159,10 +187,12 @@ class StorageTracker(TorchDispatchMode):
     def __enter__(self):
         self._gc_was_enabled = gc.isenabled()
         gc.disable()  # no cycle collection mid-step: every release happens at the same event each run
+        _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
+        _ACTIVE.remove(self)
         for f in list(self._finalizers.values()):  # what outlives the region stays alive, untracked
             f.detach()
         self._finalizers.clear()
@@ -232,12 +262,15 @@ class StepMemory:
     @staticmethod
     def category(a: Allocation) -> str:
         """gradients / optimizer_states by tag; else forward-born: saved if the backward releases it,
-        activations if the forward does; everything else born in backward or update: workspace."""
+        activations if the forward does; re-created in the backward (`born_as`): saved, or activations
+        if released before that rebuild ended; everything else born in backward or update: workspace."""
         if a.tag:
             return a.tag
         if a.born_phase.startswith(FORWARD_PHASES):
             released_in_forward = a.died_phase is not None and a.died_phase.startswith(FORWARD_PHASES)
             return "activations" if released_in_forward else "saved"
+        if a.born_phase.endswith(REBUILDS):
+            return "activations" if a.died_phase == a.born_phase else "saved"
         return "workspace"
 
     @property

@@ -36,8 +36,6 @@ def _offload_model():
 
 @_exercise("task5.offload_hooks", "一对把保存张量搬走的 saved-tensor 钩子")
 def _task5_offload(run: _Run) -> None:
-    from trainmech import strategies
-
     model, batch = _offload_model()
     where = "qwen2-tiny，2 × 16 Token，一次前向 + 反向"
     hooks = _tuple(where, run.call(where, model.parameters()), ("pack", "unpack"))
@@ -58,9 +56,11 @@ def _task5_offload(run: _Run) -> None:
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, still
 
     base_loss, base_grads, _ = forward_backward(lambda t: t, lambda t: t)
-    framework = strategies.ActivationOffload("cpu", keep=model.parameters(), min_bytes=0)
-    *_, framework_alive = forward_backward(framework.pack_hook, framework.unpack_hook)
-    framework.finish()
+
+    def copy_every_non_parameter(t):  # the reference: nothing but parameters left referenced by a packed value
+        return t.detach() if _storage_ptr(t) in params else (t.device, t.to("cpu", copy=True))
+
+    *_, reference_alive = forward_backward(copy_every_non_parameter, lambda v: v if isinstance(v, torch.Tensor) else v[1].to(v[0]))
 
     stats = {"packed": 0, "params_kept": 0, "params_copied": 0, "moved": 0, "moved_bytes": 0, "not_moved": 0,
              "unpacked": 0, "differ": []}
@@ -105,8 +105,8 @@ def _task5_offload(run: _Run) -> None:
         lines.append(f"✗ {stats['not_moved']} / {stats['not_moved'] + stats['moved']} 个非参数的保存张量没有被搬走："
                      "pack 返回的东西仍然引用原来的存储")
         lines.append("    在 CPU 上 t.to('cpu') 直接返回 t 本身、不复制；用 t.detach().clone() 或 t.to('cpu', copy=True) 复制一份")
-    elif alive > framework_alive:
-        lines.append(f"✗ 前向结束时仍有 {alive} 块被保存的存储活着（trainmech 的 ActivationOffload 只剩 {framework_alive} 块）："
+    elif alive > reference_alive:
+        lines.append(f"✗ 前向结束时仍有 {alive} 块被保存的存储活着（把每个非参数张量都复制走的参考钩子只剩 {reference_alive} 块）："
                      "pack 在别处（例如闭包里的字典）留住了原张量，设备上的内存没有被释放")
     if stats["differ"]:
         lines.append(f"✗ {len(stats['differ'])} / {stats['unpacked']} 个取回的张量与打包时不同，第一个：{stats['differ'][0]}")
@@ -119,7 +119,7 @@ def _task5_offload(run: _Run) -> None:
     if lines:
         raise _Wrong(lines, lines[0].lstrip("✗ ").split("：")[0])
     run.ok(f"{where}：打包 {stats['packed']} 个保存张量——参数 {stats['params_kept']} 个原样留下，"
-           f"其余 {stats['moved']} 个复制走（{stats['moved_bytes']:,} 字节），前向结束时设备上只剩 {alive} 块（与 ActivationOffload 相同）")
+           f"其余 {stats['moved']} 个复制走（{stats['moved_bytes']:,} 字节），前向结束时设备上只剩 {alive} 块（与参考钩子相同）")
     run.ok(f"{where}：{stats['unpacked']} 个取回的张量逐位等于打包时的张量；损失与 {len(grads)} 个参数梯度与基线逐位相等")
 
 

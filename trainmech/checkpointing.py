@@ -1,0 +1,236 @@
+"""Activation checkpointing: keep a region's input, drop its saved tensors, recompute them in the backward.
+
+Compute pays: the backward replays the region's forward. The math does not change, so loss and
+gradients must equal the baseline's.
+
+    with hf_checkpointing(model):                            # transformers' own, non-reentrant
+        model(**batch).loss.backward()
+    with checkpoint_layers(model.model.layers, every=2):     # torch.utils.checkpoint, our wrapper
+        model(**batch).loss.backward()
+
+Counting: `counting_context` gives checkpoint() a context_fn that counts the aten ops a
+checkpointed region runs in the forward and again in the backward (and, with a policy, makes the
+checkpoint selective); `count_calls` counts module calls, so a replayed layer shows up as extra
+calls during the backward; `dispatched_ops` counts, in a plain forward, the ops a policy would
+keep, so what a selective checkpoint saves is checked against what really ran (one fused SDPA op
+on one device, two `bmm` of the math kernel on another). Every replay is also announced to
+`trainmech.measure` (`born_as("recompute")`): the tensors it re-creates are saved tensors again,
+not workspace, in a memory measurement — the same word the ledger uses for them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from trainmech.measure import born_as
+
+aten = torch.ops.aten
+
+
+# ----------------------------------------------------------------------------- the two harnesses
+
+
+def _announced(context_fn: Callable | None) -> Callable[[], tuple]:
+    """context_fn's pair with the recompute side announced to trainmech.measure as a re-creation."""
+
+    def context_fn_announced():
+        forward, recompute = context_fn() if context_fn is not None else (nullcontext(), nullcontext())
+        return forward, _stacked(born_as("recompute"), recompute)
+
+    return context_fn_announced
+
+
+@contextmanager
+def hf_checkpointing(model: torch.nn.Module, **checkpoint_kwargs) -> Iterator[None]:
+    """transformers' own activation checkpointing (non-reentrant) inside the block, off after it.
+
+    checkpoint_kwargs go to torch.utils.checkpoint.checkpoint (e.g. preserve_rng_state=False,
+    context_fn=...). Recent transformers name the switch `activation_checkpointing_enable` and
+    deprecate `gradient_checkpointing_enable`; whichever this version has is used. Run the model
+    with use_cache=False: a KV cache written in a replayed forward would be written twice.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    kwargs = {"use_reentrant": False, **checkpoint_kwargs, "context_fn": _announced(checkpoint_kwargs.get("context_fn"))}
+    enable(kwargs)  # the first parameter in both spellings
+    try:
+        yield
+    finally:
+        disable()
+
+
+@contextmanager
+def checkpoint_layers(
+    layers: Iterable[torch.nn.Module],
+    every: int = 1,
+    *,
+    context_fn: Callable | None = None,
+    preserve_rng_state: bool = True,
+) -> Iterator[list[int]]:
+    """Run layer i inside torch.utils.checkpoint.checkpoint (non-reentrant) for i % every == 0.
+
+    `context_fn` (e.g. from `counting_context`) is passed on; it decides what a selective
+    checkpoint saves. Yields the checkpointed indices; the layers' forwards are restored on exit.
+    """
+    if every < 1:
+        raise ValueError(f"every must be ≥ 1, got {every}")
+    chosen = [(i, layer) for i, layer in enumerate(layers) if i % every == 0]
+    announced = _announced(context_fn)
+    for _, layer in chosen:
+
+        def forward(*args, _plain=layer.forward, **kwargs):  # _plain: the class's bound forward
+            return checkpoint(_plain, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                              context_fn=announced, **kwargs)
+
+        layer.forward = forward  # an instance attribute shadows the class's forward
+    try:
+        yield [i for i, _ in chosen]
+    finally:
+        for _, layer in chosen:
+            del layer.forward
+
+
+# ----------------------------------------------------------------------------- selective checkpointing
+
+# Selective checkpointing keeps the outputs of the expensive ops and recomputes the cheap rest.
+_MATMUL_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+MATMUL_OPS = frozenset(getattr(aten, name).default for name in _MATMUL_NAMES if hasattr(aten, name))
+
+
+def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective policy: save matmul and attention outputs, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# ----------------------------------------------------------------------------- counting
+
+_ALIASES = frozenset({aten.detach.default, aten._unsafe_view.default})
+
+
+def _counted(func) -> bool:
+    """Ops that compute something: not views or aliases (they move no data)."""
+    return func.namespace == "aten" and not func.is_view and func not in _ALIASES
+
+
+@dataclass
+class RecomputeCount:
+    """Ops inside checkpointed regions: run in the forward, kept by a policy, run again in the backward."""
+
+    forward_ops: int = 0
+    saved_ops: int = 0
+    recomputed_ops: int = 0
+    recomputed_by_op: Counter = field(default_factory=Counter)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self, count: RecomputeCount, recompute: bool) -> None:
+        super().__init__()
+        self.count, self.recompute = count, recompute
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _counted(func):
+            if self.recompute:
+                self.count.recomputed_ops += 1
+                self.count.recomputed_by_op[func.__name__] += 1
+            else:
+                self.count.forward_ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _stacked(below, above):
+    with below, above:  # `above` is entered last, so it sees each op first
+        yield
+
+
+def counting_context(count: RecomputeCount, policy: Callable | None = None) -> Callable[[], tuple]:
+    """A `context_fn` for checkpoint(): counts ops into `count`; with `policy`, checkpoints selectively.
+
+    In the recompute the selective cache sits above the counter: an op whose output was saved
+    is answered from the cache and never reaches the counter, so only real recomputation counts.
+    """
+
+    def counted_policy(ctx, op, *args, **kwargs):
+        decision = policy(ctx, op, *args, **kwargs)
+        saved = decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+        if saved and _counted(op) and not getattr(ctx, "is_recompute", False):  # older torch asks again in the recompute
+            count.saved_ops += 1
+        return decision
+
+    def context_fn():
+        forward, recompute = (
+            create_selective_checkpoint_contexts(counted_policy) if policy else (nullcontext(), nullcontext())
+        )
+        return _stacked(_OpCounter(count, False), forward), _stacked(_OpCounter(count, True), recompute)
+
+    return context_fn
+
+
+@contextmanager
+def count_calls(modules: Iterable[torch.nn.Module]) -> Iterator[Counter]:
+    """Count training-mode forward calls per module (by position) while inside; a replayed module is called
+    again. Evaluation forwards (a held-out loss) are not counted."""
+    calls: Counter = Counter()
+
+    def called(i, module, *_):
+        if module.training:
+            calls.update([i])
+
+    handles = [m.register_forward_pre_hook(lambda m, *a, i=i: called(i, m)) for i, m in enumerate(modules)]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class _Dispatched(TorchDispatchMode):
+    """Ops of `ops` dispatched while `inside` is set, by name."""
+
+    def __init__(self, ops: frozenset) -> None:
+        super().__init__()
+        self.ops, self.inside, self.seen = ops, False, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside and func in self.ops:
+            self.seen[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def dispatched_ops(layers: Iterable[torch.nn.Module], ops: frozenset = MATMUL_OPS) -> Iterator[Counter]:
+    """Count the ops of `ops` the layers dispatch while inside (by op name), e.g. in one plain forward.
+
+    What a selective policy keeps is decided per dispatched op, so this is the count it must reach:
+    on a CPU one fused attention op per layer; with the math SDPA kernel two `bmm` instead.
+    """
+    mode = _Dispatched(ops)
+
+    def enter(*_):
+        mode.inside = True
+
+    def leave(*_):
+        mode.inside = False
+
+    handles = [h for layer in layers for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))]
+    try:
+        with mode:
+            yield mode.seen
+    finally:
+        for h in handles:
+            h.remove()

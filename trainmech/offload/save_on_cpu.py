@@ -1,0 +1,66 @@
+"""torch's save_on_cpu(pin_memory=True), its pack and unpack written out, with what they move counted.
+
+Every saved tensor goes to the host, parameters and small tensors included, once per saved
+reference, and every copy is queued on the compute stream, so none overlaps with compute. Off
+CUDA torch does not pin, and the "H2D" `.to(device)` hands back the host tensor itself; the bytes
+are counted all the same (they are what a GPU run moves).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainmech.offload.book import TransferStats
+
+
+class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
+    """save_on_cpu whose pack / unpack count bytes and, on CUDA, record events read after the timed steps."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__(pin_memory=True)
+        self.stats = TransferStats()
+        self.cuda = torch.device(device).type == "cuda"
+        self._copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._torch_pack, self._torch_unpack = self.pack_hook, self.unpack_hook  # torch's own pair
+        self.pack_hook, self.unpack_hook = self.pack, self.unpack  # read when the hooks are entered
+
+    def __enter__(self) -> CountingSaveOnCpu:
+        super().__enter__()
+        return self
+
+    def _mark(self) -> torch.cuda.Event | None:
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def pack(self, t: torch.Tensor):
+        """D2H: a (pinned) host copy of every saved tensor, on the compute stream."""
+        start = self._mark()
+        packed = self._torch_pack(t)
+        if self.cuda:
+            self._copies.append((start, self._mark()))
+        self.stats.packed += 1
+        self.stats.offloaded += 1
+        self.stats.d2h_bytes += t.numel() * t.element_size()
+        return packed
+
+    def unpack(self, packed) -> torch.Tensor:
+        """H2D: the host copy back to the device it came from, on the compute stream."""
+        start = self._mark()
+        t = self._torch_unpack(packed)
+        if self.cuda:
+            self._copies.append((start, self._mark()))
+        self.stats.h2d_bytes += t.numel() * t.element_size()
+        return t
+
+    def finish(self) -> TransferStats:
+        return self.stats
+
+    def read_times(self) -> TransferStats:
+        """CUDA: the copies' time from the events (waits for the device once); off CUDA: None."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.stats.transfer_s = sum(s.elapsed_time(e) for s, e in self._copies) / 1e3
+        return self.stats
