@@ -1,13 +1,16 @@
-"""Task6 guard: the correctness gates (trainmech.gates), the decision rules, the regenerated registry.
+"""Task6 guard: the correctness gates (trainmech.gates) over candidates (trainmech.candidates) and their traces
+(trainmech.tracing), the noise floor, the decision rules, the regenerated registry.
 
 Every planted bug must be stopped by the gate meant for it, with every earlier gate passing and no
-later gate run; the same candidate without the bug must pass every gate. The decision rules are
-checked at their boundaries on plain numbers, the gates on small hand-made traces, and the
+later gate run; the same candidate without the bug must pass every gate. The gate workload has a
+dropout, so a replay that does not restore the RNG state has something to get wrong. The decision
+rules are checked at their boundaries on plain numbers, the gates on small hand-made traces, and the
 registry must come out byte-identical whenever it is rendered again from the same records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import random
 from contextlib import contextmanager, redirect_stdout
@@ -17,7 +20,7 @@ from functools import partial
 import pytest
 import torch
 
-from trainmech import amp, gates, profiles, results, strategies, supervision, workload
+from trainmech import amp, candidates, checkpointing, gates, profiles, results, supervision, tracing, update, workload
 
 ATTEMPTS, INJECT_AT, LR = 8, (2,), 3e-3
 
@@ -27,19 +30,18 @@ def gw():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model gains nothing from threads that spin-wait on a shared machine
     built = workload.build_model(profiles.load("TRAIN-CPU").model("qwen2-tiny"), seed=0)
-    yield gates.gate_workload(built.model, rows=4, seq=32, micro_batches=2, attempts=ATTEMPTS, inject_at=INJECT_AT,
-                              lr=LR, warmup_updates=2, decay_updates=3)
+    yield candidates.gate_workload(built.model, rows=4, seq=32, micro_batches=2, attempts=ATTEMPTS, inject_at=INJECT_AT,
+                                   lr=LR, warmup_updates=2, decay_updates=3, dropout=0.1)
     torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def reference(gw):
-    ref = gates.Candidate("fp32-baseline", "TRAIN-AMP-BACKWARD")
-    return gates.run_trace(ref, gw), gates.measure(ref, gw, warmup=0, repeats=1)
+    return gates.make_reference(gw)
 
 
 def offload(model):
-    return gates.offloading(model, min_bytes=4096, prefetch_bytes=32768)
+    return candidates.Offloading(min_bytes=4096)(model)
 
 
 # ----------------------------------------------------------------------------- planted bugs
@@ -65,6 +67,7 @@ def mean_per_micro_batch(state, window):
 def scheduler_every_attempt(state):
     amp.scaled_step(state.scaler, state.optimizer)
     state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
 
 
 @contextmanager
@@ -80,97 +83,189 @@ def clamp_layer_inputs(model, in_place):
             layer.__dict__.pop("forward", None)
 
 
+@contextmanager
+def calls_per_forward(model, counted_inside):
+    calls = {}
+    handles = [model.register_forward_pre_hook(lambda *_: calls.clear())]
+    for i, layer in enumerate(model.model.layers):
+        count = lambda *_, i=i: calls.__setitem__(i, calls.get(i, 0) + 1)  # noqa: E731
+        handles.append(layer.mlp.register_forward_pre_hook(count) if counted_inside else layer.register_forward_pre_hook(count))
+        handles.append(layer.mlp.register_forward_pre_hook(lambda m, args, i=i: (args[0] / calls[i], *args[1:])))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def each_layer(model):
-    return strategies.checkpoint_layers(model.model.layers)
+    return checkpointing.checkpoint_layers(model.model.layers)
 
 
 def first_micro_batch_only(state, window):
-    return gates.accumulate(state, window[:1], contexts=(gates.checkpointing,))
+    return candidates.window_backward(state, window[:1], contexts=(candidates.activation_checkpointing,))
 
 
 def step_without_guard(state):
     state.optimizer.step()
     state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+
+
+def update_without_zero_grad(state):
+    if update.step_if_finite(state.optimizer):
+        state.scheduler.step()
 
 
 def raise_adam_eps(state):
     for group in state.optimizer.param_groups:
         group["eps"] = 1e-3
-    gates.step_on_effective(state)
+    candidates.effective_update(state)
 
 
-FP16 = gates.candidate("fp16", "TRAIN-AMP-BACKWARD", dtype="float16")
-CHECKPOINT = gates.candidate("checkpoint", "TRAIN-CHECKPOINT", gates.checkpointing)
-OFFLOAD = gates.candidate("offload", "TRAIN-OFFLOAD", offload)
-CLAMP = gates.candidate("checkpoint-clamp", "TRAIN-CHECKPOINT", partial(clamp_layer_inputs, in_place=False), each_layer)
+FP16 = candidates.candidate("fp16", "TRAIN-AMP-BACKWARD", dtype="float16")
+CHECKPOINT = candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing)
+OFFLOAD = candidates.candidate("offload", "TRAIN-OFFLOAD", offload)
+CLAMP = candidates.candidate("checkpoint-clamp", "TRAIN-CHECKPOINT", partial(clamp_layer_inputs, in_place=False), each_layer)
+COUNTED_OUT = candidates.candidate("count-in-pre-hook", "TRAIN-CHECKPOINT", partial(calls_per_forward, counted_inside=False), each_layer)
 
 PLANTED = {  # bug -> (the candidate with it, the gate that must stop it, the candidate without it)
-    "fp32-claiming-fp16": (gates.Candidate("b1", "TRAIN-AMP-BACKWARD", "float16", autocast_around_backward), "gradients", FP16),
-    "mean-per-micro-batch": (gates.Candidate("b2", "TRAIN-OFFLOAD", backward=mean_per_micro_batch), "gradients", OFFLOAD),
-    "scheduler-on-skips": (gates.candidate("b3", "TRAIN-AMP-BACKWARD", dtype="float16", update=scheduler_every_attempt), "updates", FP16),
-    "checkpoint-in-place": (gates.candidate("b4", "TRAIN-CHECKPOINT", partial(clamp_layer_inputs, in_place=True), each_layer),
+    "fp32-claiming-fp16": (candidates.Candidate("b1", "TRAIN-AMP-BACKWARD", "float16", autocast_around_backward), "gradients", FP16),
+    "mean-per-micro-batch": (candidates.Candidate("b2", "TRAIN-OFFLOAD", backward=mean_per_micro_batch), "gradients", OFFLOAD),
+    "scheduler-on-skips": (candidates.candidate("b3", "TRAIN-AMP-BACKWARD", dtype="float16", update=scheduler_every_attempt), "updates", FP16),
+    "checkpoint-in-place": (candidates.candidate("b4", "TRAIN-CHECKPOINT", partial(clamp_layer_inputs, in_place=True), each_layer),
                             "gradients", CLAMP),
-    "faster-skips-work": (gates.Candidate("b5", "TRAIN-CHECKPOINT", backward=first_micro_batch_only), "inputs", CHECKPOINT),
-    "no-finiteness-guard": (gates.candidate("b6", "TRAIN-AMP-BACKWARD", update=step_without_guard), "updates", FP16),
-    "recipe-change": (gates.candidate("b7", "TRAIN-AMP-BACKWARD", dtype="float16", update=raise_adam_eps), "quality", FP16),
+    "outside-state-in-checkpoint": (candidates.candidate("b5", "TRAIN-CHECKPOINT", partial(calls_per_forward, counted_inside=True),
+                                                         each_layer), "gradients", COUNTED_OUT),
+    "rng-not-restored": (candidates.candidate("b6", "TRAIN-CHECKPOINT", partial(candidates.activation_checkpointing,
+                                                                                 preserve_rng_state=False)), "inputs", CHECKPOINT),
+    "no-zero-grad": (candidates.candidate("b7", "TRAIN-AMP-BACKWARD", update=update_without_zero_grad), "gradients", CHECKPOINT),
+    "faster-skips-work": (candidates.Candidate("b8", "TRAIN-CHECKPOINT", backward=first_micro_batch_only), "inputs", CHECKPOINT),
+    "no-finiteness-guard": (candidates.candidate("b9", "TRAIN-AMP-BACKWARD", update=step_without_guard), "updates", FP16),
+    "recipe-change": (candidates.candidate("b10", "TRAIN-AMP-BACKWARD", dtype="float16", update=raise_adam_eps), "quality", FP16),
 }
 
 
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_a_planted_bug_is_stopped_by_its_gate_and_only_then(gw, reference, bug):
     buggy, gate, _ = PLANTED[bug]
-    report = gates.judge(buggy, gw, *reference, warmup=0, repeats=1)
+    report = gates.judge(buggy, gw, reference, warmup=0, repeats=1)
     k = gates.GATES.index(gate)
     assert report.failed_gate == gate, report.lines()
     assert [v.name for v in report.verdicts] == list(gates.GATES[: k + 1])  # the pipeline stopped there
     assert all(v.passed for v in report.verdicts[:k])  # every earlier gate let it through
-    assert report.performance is None and report.decision == "reject"
+    assert report.performance is None and report.outcome == "reject" and report.decision == "reject"
     assert report.reason.startswith(f"{gate} gate failed")
+    assert report.record_fields()["conclusion"]["failure"] == f"{gate} gate failed"
 
 
-@pytest.mark.parametrize("fixed", [FP16, CHECKPOINT, OFFLOAD, CLAMP], ids=lambda c: c.name)
+@pytest.mark.parametrize("fixed", [FP16, CHECKPOINT, OFFLOAD], ids=lambda c: c.name)
 def test_without_the_bug_no_gate_fires(gw, reference, fixed):
-    report = gates.judge(fixed, gw, *reference, warmup=0, repeats=1)
+    report = gates.judge(fixed, gw, reference, warmup=0, repeats=1)
     assert report.failed_gate is None, report.lines()
     assert [v.name for v in report.verdicts] == list(gates.GATES)
     assert [v.passed for v in report.verdicts] == [True] * 4 + [None]  # performance is measured, never passed or failed
     assert report.lines()[-2].startswith("  — performance")
-    assert report.performance is not None and report.performance.peak_allocated_bytes is None  # CPU: unknown, not 0
-    assert report.decision is None and report.evidence_level == "cpu-mechanism"  # nothing to accept from CPU numbers
+    p = report.performance
+    assert p.peak_allocated_bytes is None and p.peak_reserved_bytes is None and p.cuda_context_bytes is None  # CPU: unknown, not 0
+    assert p.bytes_per_row > 0 and p.tracked_peak_bytes > 0
+    assert report.outcome is None and report.evidence_level == "cpu-mechanism"  # nothing to accept from CPU numbers
+    assert report.record_fields()["conclusion"]["decision"] is None
 
 
-def test_the_reference_skips_exactly_the_injected_attempts(reference):
-    trace, _ = reference
+@pytest.mark.parametrize("fixed", [CLAMP, COUNTED_OUT], ids=lambda c: c.name)
+def test_the_fixed_variants_pass_the_gates_without_a_measurement(gw, reference, fixed):
+    report = gates.judge(fixed, gw, reference, measure=False)
+    assert [v.passed for v in report.verdicts] == [True] * 4 and report.performance is None
+    assert "not measured" in report.lines()[-2]
+
+
+def test_the_reference_skips_exactly_the_injected_attempts_and_its_noise_floor(reference):
+    trace, floor = reference.trace, reference.floor
     assert [not s for s in trace.stepped] == [a in INJECT_AT for a in range(ATTEMPTS)]
     assert trace.scheduler_steps == trace.optimizer_steps == ATTEMPTS - len(INJECT_AT)
-    assert all(trace.finite) and trace.error is None
+    assert all(trace.finite) and trace.error is None and len(trace.weights) == ATTEMPTS
+    assert floor.grad_self == 0 and floor.quality_self == 0  # a CPU reruns bitwise
+    assert floor.grad_seed > gates.SEED_SEPARATION * gates.GRAD_RTOL["float16"]  # the dropout makes another seed visible
+    assert gates.movement(trace) > 3 * floor.quality_seed
 
 
-def test_splitting_a_window_into_more_micro_batches_keeps_the_inputs_digest(gw, reference):
+def test_tolerances_rise_with_the_reference_noise_and_follow_the_training_movement(reference):
+    tol = reference.tolerances("float16")
+    assert tol.grad_rtol == gates.GRAD_RTOL["float16"] and tol.grad_from == "float16 rounding"
+    assert tol.quality_bound == pytest.approx(gates.QUALITY_FRACTION["float16"] * gates.movement(reference.trace))
+    noisy = gates.NoiseFloor(grad_self=1e-3, grad_seed=0.5, quality_self=1e-2, quality_seed=0.1)
+    raised = gates.tolerances("float32", reference.trace, noisy)
+    assert raised.grad_rtol == pytest.approx(1e-2) and raised.quality_bound == pytest.approx(0.1) and "noise" in raised.grad_from
+
+
+def test_a_candidate_off_the_reference_trajectory_is_judged_from_the_references_weights(gw, reference):
+    """The teacher-forced pass: a recipe change moves the weights, yet gate 2 sees equal gradients."""
+    eps = PLANTED["recipe-change"][0]
+    free = tracing.run_trace(eps, gw)
+    forced = tracing.run_trace(eps, gw, teacher=reference.trace)
+    assert not gates.gradients_gate(reference.trace, free, "float16").passed  # its own weights drifted: later windows differ
+    assert gates.gradients_gate(reference.trace, forced, "float16").passed
+    assert forced.consumed == free.consumed and forced.rng == free.rng and forced.held_out_loss == free.held_out_loss
+
+
+def test_an_fp16_candidate_whose_loss_scale_starts_too_high_is_calibrated_not_rejected(gw, reference):
+    hot = {c: tracing.run_trace(FP16, dataclasses.replace(gw, loss_scale_start=2.0**40, calibrate_loss_scale=c)) for c in (False, True)}
+    expected = [gw.expected_lr(k) for k in range(ATTEMPTS)]
+    assert not gates.updates_gate(reference.trace, hot[False], "float16", expected_lrs=expected).passed
+    verdict = gates.updates_gate(reference.trace, hot[True], "float16", expected_lrs=expected[: len(hot[True].lrs)])
+    assert verdict.passed and verdict.evidence["loss_scale_halvings"] == hot[True].scale_halvings > 0
+
+
+def test_splitting_or_reordering_a_window_keeps_the_inputs_digest():
+    built = workload.build_model(profiles.load("TRAIN-CPU").model("qwen2-tiny"), seed=0)
+    plain = candidates.gate_workload(built.model, rows=4, seq=32, micro_batches=2, attempts=3, inject_at=(), lr=LR)  # no dropout
+    ref = tracing.run_trace(candidates.Candidate("ref", "X"), plain)
+
     def four_micro_batches(state, window):
         rows = [{k: v[i : i + 1] for k, v in mb.items()} for mb in window for i in range(mb["input_ids"].shape[0])]
-        return gates.accumulate(state, rows)
+        return candidates.window_backward(state, candidates.Window(rows))
 
-    trace = gates.run_trace(gates.Candidate("split", "TRAIN-GRADIENT-ACCUMULATION", backward=four_micro_batches), gw)
-    assert gates.inputs_gate(reference[0], trace).passed
-    assert gates.gradients_gate(reference[0], trace).passed  # the window's token count keeps it exact
+    def reversed_rows(state, window):
+        return candidates.window_backward(state, candidates.Window([{k: v.flip(0) for k, v in mb.items()} for mb in window]))
+
+    for backward in (four_micro_batches, reversed_rows):
+        trace = tracing.run_trace(candidates.Candidate("regrouped", "TRAIN-GRADIENT-ACCUMULATION", backward=backward), plain)
+        assert gates.inputs_gate(ref, trace).passed
+        assert gates.gradients_gate(ref, trace).passed  # the window's token count keeps it exact
+
+
+def test_sequence_digests_cut_packed_rows_at_their_position_restarts():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 0, 0, 0], [8, 9, 0, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
+    packed = tracing.sequence_digests(ids[:1], mask[:1], torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    assert sorted(packed) == sorted(tracing.sequence_digests(ids[1:], mask[1:]))
+    assert tracing.sequence_digests(ids[:1], mask[:1]) != packed  # one unpacked row is another sequence
 
 
 def test_a_candidate_that_draws_random_numbers_changes_the_rng_evidence(gw, reference):
     def noisy(state, window):
         torch.rand(1)  # consumes the generator: the next window starts from another state
-        return gates.accumulate(state, window)
+        return candidates.window_backward(state, window)
 
-    verdict = gates.inputs_gate(reference[0], gates.run_trace(gates.Candidate("rng", "X", backward=noisy), gw))
+    verdict = gates.inputs_gate(reference.trace, tracing.run_trace(candidates.Candidate("rng", "X", backward=noisy), gw))
     assert not verdict.passed and "RNG" in verdict.message
+
+
+def test_planted_record_fields_say_which_gate_fired(gw, reference):
+    buggy, gate, fixed = PLANTED["faster-skips-work"]
+    fields = gates.planted_record_fields(reference, {"faster": (gate, gates.judge(buggy, gw, reference),
+                                                                 gates.judge(fixed, gw, reference, measure=False))}, "next")
+    assert fields["metrics"]["fired_gate"] == {"faster": "inputs"} and fields["metrics"]["all_caught_as_expected"]
+    assert fields["correctness"]["effective_updates"] == ATTEMPTS - len(INJECT_AT)
 
 
 # ----------------------------------------------------------------------------- gates on hand-made traces
 
 
-def grads_trace(values: dict[str, list[float]], dtypes=("float32",)) -> gates.Trace:
-    return gates.Trace("t", loss=1.0, grads={n: torch.tensor(v, dtype=torch.float32) for n, v in values.items()},
-                       dtypes=list(dtypes))
+def grads_trace(values: dict[str, list[float]], dtypes=("float32",), windows=1) -> tracing.Trace:
+    grads = {n: torch.tensor(v, dtype=torch.float32) for n, v in values.items()}
+    return tracing.Trace("t", losses=[1.0] * windows, grads=[grads] * windows, dtypes=list(dtypes))
 
 
 def test_gradients_gate_at_its_tolerance():
@@ -178,37 +273,50 @@ def test_gradients_gate_at_its_tolerance():
     rtol = gates.GRAD_RTOL["float16"]
     at = grads_trace({"a": [1.0, -2.0 + 2.0 * rtol], "b": [0.5, 0.25]}, ["float16"])  # error = rtol x scale 2
     over = grads_trace({"a": [1.0, -2.0 + 2.0 * rtol * 1.01], "b": [0.5, 0.25]}, ["float16"])
-    assert gates.gradients_gate(ref, at, "float16").passed
-    verdict = gates.gradients_gate(ref, over, "float16")
-    assert not verdict.passed and "worst a" in verdict.message
-    assert list(verdict.evidence["worst"])[0] == "a"
+    tol = gates.Tolerances(rtol, 1.0, "float16 rounding", "x")
+    assert gates.gradients_gate(ref, at, "float16", tol).passed
+    verdict = gates.gradients_gate(ref, over, "float16", tol)
+    assert not verdict.passed and "worst a" in verdict.message and verdict.evidence["first_bad_window"] == 0
+
+
+def test_gradients_gate_compares_every_window_but_the_non_finite_ones():
+    good = {"a": torch.tensor([1.0, 2.0])}
+    ref = tracing.Trace("r", losses=[1.0, 1.0, 1.0], grads=[good, {"a": torch.tensor([float("nan"), 0.0])}, good], dtypes=["float32"])
+    late = tracing.Trace("c", losses=[1.0, 1.0, 1.0], grads=[good, {"a": torch.tensor([9.0, 9.0])}, {"a": torch.tensor([1.0, 2.5])}],
+                         dtypes=["float32"])
+    tol = gates.Tolerances(1e-4, 1.0, "float32 rounding", "x")
+    verdict = gates.gradients_gate(ref, late, "float32", tol)
+    assert gates.compared_windows(ref, late) == [0, 2]  # the injected window is no evidence
+    assert not verdict.passed and verdict.message.startswith("window 2:") and verdict.evidence["window_worst"][0] == 0
 
 
 def test_gradients_gate_uses_the_floor_for_a_vanishing_gradient():
     ref = grads_trace({"big": [1.0], "tiny": [1e-9]})
     noisy = grads_trace({"big": [1.0], "tiny": [5e-9]})  # 4x off its own scale, but far below 1e-3 of the largest
-    assert gates.gradient_errors(ref.grads, noisy.grads)["tiny"] == pytest.approx(4e-9 / gates.GRAD_FLOOR, rel=1e-3)
-    assert gates.gradients_gate(ref, noisy).passed
+    assert gates.gradient_errors(ref.grads[0], noisy.grads[0])["tiny"] == pytest.approx(4e-9 / gates.GRAD_FLOOR, rel=1e-3)
+    assert gates.gradients_gate(ref, noisy, "float32", gates.Tolerances(1e-4, 1.0, "", "")).passed
 
 
 def test_gradients_gate_refuses_another_dtype_and_non_finite_gradients():
     ref = grads_trace({"a": [1.0]})
-    assert "ran float32" in gates.gradients_gate(ref, grads_trace({"a": [1.0]}), "float16").message
-    assert not gates.gradients_gate(ref, grads_trace({"a": [float("nan")]})).passed
-    assert not gates.gradients_gate(ref, replace(grads_trace({"a": [1.0]}), grads=None, error="attempt 0, backward: X")).passed
+    tol = gates.Tolerances(1e-4, 1.0, "", "")
+    assert "ran float32" in gates.gradients_gate(ref, grads_trace({"a": [1.0]}), "float16", tol).message
+    assert not gates.gradients_gate(ref, grads_trace({"a": [float("nan")]}), "float32", tol).passed
+    stopped = replace(grads_trace({"a": [1.0]}), grads=[], error="attempt 0, backward: X")
+    assert not gates.gradients_gate(ref, stopped, "float32", tol).passed
 
 
 def test_quality_gate_at_its_bound():
-    ref = gates.Trace("r", held_out_loss=5.0)
-    bound = gates.QUALITY_BOUND["float32"]
-    assert gates.quality_gate(ref, gates.Trace("c", held_out_loss=5.0 + bound / 2)).passed
-    assert not gates.quality_gate(ref, gates.Trace("c", held_out_loss=5.0 + 2 * bound)).passed
-    assert gates.quality_gate(ref, gates.Trace("c", held_out_loss=5.0 + 2 * bound), "float16").passed  # wider for 16 bits
+    ref = tracing.Trace("r", held_out_before=6.0, held_out_loss=5.0)  # training moved it by 1 nat
+    bound = gates.QUALITY_FRACTION["float32"]
+    assert gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.0 + bound / 2)).passed
+    assert not gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.0 + 2 * bound)).passed
+    assert gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.0 + 2 * bound), "float16").passed  # wider for 16 bits
 
 
-def updates_trace(**kw) -> gates.Trace:
+def updates_trace(**kw) -> tracing.Trace:
     base = dict(stepped=[True, False, True], finite=[True, True, True], lrs=[1.0, 2.0], optimizer_steps=2, scheduler_steps=2)
-    return gates.Trace("u", **{**base, **kw})
+    return tracing.Trace("u", **{**base, **kw})
 
 
 @pytest.mark.parametrize("change, fragment", [
@@ -229,41 +337,45 @@ def test_updates_gate_checks_every_clock(change, fragment):
 # ----------------------------------------------------------------------------- the decision rules
 
 
-@pytest.mark.parametrize("drop, ratio, decision", [
-    (0.10, 1.25, "accept"),     # both limits met exactly
-    (0.0999, 1.25, "tune"),     # the peak falls a little less than required
-    (0.10, 1.2501, "tune"),     # the step takes a little more than allowed
-    (0.337, 1.192, "accept"),   # the registry's checkpoint figures
-    (0.343, 5.87, "tune"),      # the registry's offload figures
-    (0.0, 0.90, "accept"),      # faster by exactly min_speedup at the same peak
-    (0.0, 0.9001, "tune"),
-    (-0.01, 0.80, "tune"),      # faster, but a higher peak
-    (0.0, 1.0, "reject"),       # no lower peak, no faster
-    (-0.2, 1.5, "reject"),
+@pytest.mark.parametrize("update_drop, capacity, ratio, outcome", [
+    (0.10, 0.0, 1.25, "accept"),      # both limits met exactly
+    (0.0999, 0.0, 1.25, "no-gain"),   # the peak falls a little less than required, the step no faster
+    (0.10, 0.0, 1.2501, "tune"),      # the step takes a little more than allowed
+    (0.0, 0.81, 1.19, "accept"),      # the optimizer step peaks as high, yet a sequence costs far less: capacity
+    (0.0, 0.81, 1.5, "tune"),
+    (0.0, 0.0, 0.90, "accept"),       # faster by exactly min_speedup at the same peak
+    (0.0, 0.0, 0.9001, "no-gain"),
+    (-0.01, 0.0, 0.80, "tune"),       # faster, but a higher peak
+    (0.0, 0.0, 1.0, "no-gain"),       # correct, neither smaller nor faster: not worth it, not wrong
+    (-0.2, 0.0, 1.5, "no-gain"),
 ])
-def test_decide_measured_at_its_boundaries(drop, ratio, decision):
-    assert gates.decide_measured(drop, ratio) == decision
+def test_decide_measured_at_its_boundaries(update_drop, capacity, ratio, outcome):
+    assert gates.decide_measured(update_drop, capacity, ratio) == outcome
 
 
-def perf(device="cuda", median=1.0, peak=1000):
-    return gates.Performance(device, median, median, peak if device == "cuda" else None, None, 0, 0, 1)
+def perf(device="cuda", median=1.0, peak=1000, per_row=100):
+    gpu = device == "cuda"
+    return tracing.Performance(device, median, median, peak if gpu else None, peak if gpu else None, None, None, None,
+                               per_row, 0, 0, None, None, 0, 1)
 
 
-def test_decide_rejects_a_failed_gate_on_any_device_and_decides_nothing_from_cpu_numbers():
+def test_decide_keeps_wrong_and_not_worth_it_apart_and_decides_nothing_from_cpu_numbers():
     passed = [gates.Verdict(g, True, {}, "") for g in gates.GATES[:4]] + [gates.Verdict("performance", None, {}, "")]
     failed = passed[:1] + [gates.Verdict("gradients", False, {}, "off")]
     assert gates.decide(failed, None, None)[0] == "reject"
     assert gates.decide(failed, perf(), perf())[0] == "reject"  # a faster wrong candidate stays rejected
-    assert gates.decide(passed, perf("cpu"), perf("cpu")) [0] is None
+    assert gates.decide(passed, perf("cpu"), perf("cpu"))[0] is None
     assert gates.decide(passed, perf(), perf("cpu"))[0] is None
     assert gates.decide(passed, perf(median=1.1, peak=850), perf())[0] == "accept"
+    assert gates.decide(passed, perf(median=1.1, peak=1000, per_row=20), perf())[0] == "accept"  # capacity
     assert gates.decide(passed, perf(median=3.0, peak=650), perf())[0] == "tune"
-    assert gates.decide(passed, perf(median=1.0, peak=1000), perf())[0] == "reject"
+    assert gates.decide(passed, perf(median=1.0, peak=1000), perf())[0] == "no-gain"
+    assert gates.RECORD_DECISION["no-gain"] == "reject"
 
 
 def test_a_candidate_refuses_an_unknown_dtype():
     with pytest.raises(Exception, match="unknown dtype"):
-        gates.Candidate("x", "X", "float8")
+        candidates.Candidate("x", "X", "float8")
 
 
 # ----------------------------------------------------------------------------- the registry

@@ -204,7 +204,7 @@ def gradient_gate(ref, cand, rtol):
 
 
 def update_gate(ref, cand, expected_lrs):
-    """(passed, message) from two gates.Trace: effective updates, finiteness, optimizer and scheduler on the clock."""
+    """(passed, message) from two tracing.Trace: effective updates, finiteness, optimizer and scheduler on the clock."""
     effective = sum(s and f for s, f in zip(cand.stepped, cand.finite))
     want = sum(s and f for s, f in zip(ref.stepped, ref.finite))
     mismatch = next((k for k, (a, b) in enumerate(zip(cand.lrs, expected_lrs)) if a != b), None)

@@ -16,12 +16,12 @@ def _gate_traces():
     """Reference and candidate traces on a small gate workload (qwen2-tiny), computed once per process."""
     if _GATE_TRACES:
         return _GATE_TRACES
-    from trainmech import amp, gates
+    from trainmech import amp, candidates, tracing
 
     # check() forks the RNG around this: building the model and running traces re-seed it
     model = _tiny_model()
-    gw = gates.gate_workload(model, rows=4, seq=16, micro_batches=2, attempts=5, inject_at=(2,), lr=3e-3,
-                             warmup_updates=1, decay_updates=1, seed=0)
+    gw = candidates.gate_workload(model, rows=4, seq=16, micro_batches=2, attempts=5, inject_at=(2,), lr=3e-3,
+                                  warmup_updates=1, decay_updates=1, seed=0)
 
     def mean_per_micro_batch(state, window):
         total = 0.0
@@ -34,21 +34,23 @@ def _gate_traces():
     def scheduler_on_every_attempt(state):
         amp.scaled_step(state.scaler, state.optimizer)
         state.scheduler.step()   # the bug: moved whether or not the optimizer stepped
+        state.optimizer.zero_grad(set_to_none=True)
 
     def step_without_guard(state):
         state.optimizer.step()   # the bug: no finiteness check
         state.scheduler.step()
+        state.optimizer.zero_grad(set_to_none=True)
 
-    candidates = {
-        "reference": gates.Candidate("fp32-baseline", "TRAIN-AMP-BACKWARD"),
-        "fp16": gates.candidate("fp16", "TRAIN-AMP-BACKWARD", dtype="float16"),
-        "micro_mean": gates.Candidate("mean-per-micro-batch", "TRAIN-AMP-BACKWARD", backward=mean_per_micro_batch),
-        "scheduler_every_attempt": gates.candidate("fp16-scheduler-every-attempt", "TRAIN-AMP-BACKWARD", dtype="float16",
-                                                   update=scheduler_on_every_attempt),
-        "step_without_guard": gates.candidate("fp32-step-without-guard", "TRAIN-AMP-BACKWARD", update=step_without_guard),
+    runs = {
+        "reference": candidates.Candidate("fp32-baseline", "TRAIN-AMP-BACKWARD"),
+        "fp16": candidates.candidate("fp16", "TRAIN-AMP-BACKWARD", dtype="float16"),
+        "micro_mean": candidates.Candidate("mean-per-micro-batch", "TRAIN-AMP-BACKWARD", backward=mean_per_micro_batch),
+        "scheduler_every_attempt": candidates.candidate("fp16-scheduler-every-attempt", "TRAIN-AMP-BACKWARD", dtype="float16",
+                                                        update=scheduler_on_every_attempt),
+        "step_without_guard": candidates.candidate("fp32-step-without-guard", "TRAIN-AMP-BACKWARD", update=step_without_guard),
     }
-    for key, cand in candidates.items():
-        _GATE_TRACES[key] = gates.run_trace(cand, gw)
+    for key, cand in runs.items():
+        _GATE_TRACES[key] = tracing.run_trace(cand, gw)
     _GATE_TRACES["expected_lrs"] = [gw.expected_lr(k) for k in range(len(_GATE_TRACES["reference"].stepped))]
     return _GATE_TRACES
 
@@ -109,14 +111,15 @@ def _task6_gradient_gate(run: _Run) -> None:
         judge(where, r, cnd, rtol, want)
     traces = _gate_traces()
     ref_trace = traces["reference"]
-    judge("真实运行：正确的 FP16 候选（容限 2e-2）", ref_trace.grads, traces["fp16"].grads, gates.GRAD_RTOL["float16"], True)
-    judge("真实运行：埋入错误“按微批次取平均的损失”（容限 1e-4）", ref_trace.grads, traces["micro_mean"].grads, gates.GRAD_RTOL["float32"], False)
+    judge("真实运行：正确的 FP16 候选（容限 2e-2）", ref_trace.grads[0], traces["fp16"].grads[0], gates.GRAD_RTOL["float16"], True)
+    judge("真实运行：埋入错误“按微批次取平均的损失”（容限 1e-4）", ref_trace.grads[0], traces["micro_mean"].grads[0],
+          gates.GRAD_RTOL["float32"], False)
 
 
 def _trace(**fields):
-    from trainmech import gates
+    from trainmech import tracing
 
-    return gates.Trace("synthetic", **fields)
+    return tracing.Trace("synthetic", **fields)
 
 
 @_exercise("task6.update_gate", "更新门：有效更新、有限值、优化器与调度器跟随更新时钟")

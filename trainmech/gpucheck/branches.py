@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainmech import ledger, measure, profiles, strategies, workload
+from trainmech import ledger, measure, profiles, workload
 from trainmech.errors import TrainmechError
 
 
@@ -209,30 +209,40 @@ def check_ledger_on_device(probe: Probe) -> str:
 
 
 def check_offload(probe: Probe) -> str:
+    from trainmech.offload import ActivationOffload
+
     model = probe.model()
     batch = probe.lm_batch()
     ref = _fwd_bwd(model, batch)
     hidden = probe.batch * probe.seq * model.config.hidden_size * 4
-    hooks = strategies.ActivationOffload(probe.device, keep=model.parameters(), min_bytes=hidden // 4, prefetch_bytes=4 * hidden)
-    ours = _fwd_bwd(model, batch, hooks)
-    st = hooks.finish()
+    runs = []
+    for _ in range(2):  # the second step must reuse the first one's host arena
+        hooks = ActivationOffload.for_model(model, min_bytes=hidden // 4, exempt_last=0, prefetch_groups=1)
+        ours = _fwd_bwd(model, batch, hooks)
+        runs.append(hooks.finish())
+        hooks.read_times()  # CUDA: the events, after the step; off CUDA: nothing to read
+    st = runs[0]
     same, how = _same(probe, ours, ref)
     require(same, f"gradients under ActivationOffload differ from the baseline ({how})")
-    require(st.d2h_bytes == st.h2d_bytes > 0 and st.prefetched > 0, f"transfer bookkeeping: {st}")
-    timed_ok = (st.transfer_s is not None and st.transfer_s > 0 and st.h2d_wait_s is not None) if probe.cuda else \
-        (st.transfer_s is None and st.h2d_wait_s is None)
-    require(timed_ok, f"transfer times {st.transfer_s} / {st.h2d_wait_s} on {probe.device.type}")
-    times = f", copies {st.transfer_s * 1e3:.2f} ms, H2D wait {st.h2d_wait_s * 1e3:.2f} ms" if probe.cuda else ""
-    return f"gradients equal ({how}); {st.offloaded} storages, {st.d2h_bytes:,} B each way, {st.prefetched} prefetched{times}"
+    require(st.d2h_bytes == st.h2d_bytes > 0 and st.prefetched > 0 and st.on_demand == 0, f"transfer bookkeeping: {st}")
+    require(runs[1].host_chunks_allocated == 0, f"the second step allocated {runs[1].host_chunks_allocated} new host chunk(s)")
+    timed_ok = (st.transfer_s is not None and st.transfer_s > 0 and st.exposed_transfer_s is not None) if probe.cuda else \
+        (st.transfer_s is None and st.exposed_transfer_s is None)
+    require(timed_ok, f"transfer times {st.transfer_s} / {st.exposed_transfer_s} on {probe.device.type}")
+    times = f", copies {st.transfer_s * 1e3:.2f} ms, exposed {st.exposed_transfer_s * 1e3:.2f} ms" if probe.cuda else ""
+    return f"gradients equal ({how}); {st.offloaded} storages, {st.d2h_bytes:,} B each way, {st.prefetched} prefetched, " \
+           f"arena reused{times}"
 
 
 def check_save_on_cpu(probe: Probe) -> str:
+    from trainmech.offload import CountingSaveOnCpu
+
     model = probe.model()
     batch = probe.lm_batch()
     ref = _fwd_bwd(model, batch)
-    hooks = strategies.CountingSaveOnCpu(probe.device)
+    hooks = CountingSaveOnCpu(probe.device)
     ours = _fwd_bwd(model, batch, hooks)
-    st = hooks.finish()
+    st = hooks.read_times()
     same, how = _same(probe, ours, ref)
     require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
     require(st.d2h_bytes == st.h2d_bytes > 0, f"bytes: {st}")
@@ -241,21 +251,78 @@ def check_save_on_cpu(probe: Probe) -> str:
 
 
 def check_gates(probe: Probe) -> str:
-    from trainmech import gates
+    from trainmech import candidates, gates
 
-    gw = gates.gate_workload(probe.model(), rows=4, seq=probe.seq, micro_batches=2, attempts=3, warmup_updates=1, decay_updates=1)
-    reference = gates.Candidate("fp32-baseline", "TRAIN-AMP-BACKWARD")
-    ref_trace = gates.run_trace(reference, gw)
-    ref_perf = gates.measure(reference, gw, warmup=1, repeats=2)
-    report = gates.judge(gates.candidate("checkpoint", "TRAIN-CHECKPOINT", gates.checkpointing), gw, ref_trace, ref_perf,
-                         warmup=1, repeats=2)
-    require(report.failed_gate is None, f"the checkpoint candidate failed the {report.failed_gate} gate")
+    gw = candidates.gate_workload(probe.model(), rows=4, seq=probe.seq, micro_batches=2, attempts=3, warmup_updates=1,
+                                  decay_updates=1, dropout=0.1)
+    reference = gates.make_reference(gw)
+    report = gates.judge(candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing), gw,
+                         reference, warmup=1, repeats=2)
+    require(report.failed_gate is None, f"the checkpoint candidate failed the {report.failed_gate} gate: {report.lines()}")
+    fields, table = report.record_fields("gpu-check"), gates.strategy_table(report.reference_performance, {"checkpoint": report})
+    require(fields["conclusion"]["decision"] == report.decision and "checkpoint" in table, "record fields or the strategy table")
     if probe.cuda:
-        require(report.decision in ("accept", "tune", "reject") and report.evidence_level == "gpu-measured",
-                f"decision {report.decision} ({report.evidence_level}): {report.reason}")
+        p = report.performance
+        require(report.outcome in gates.OUTCOMES and report.evidence_level == "gpu-measured" and p.on_gpu
+                and p.forward_backward_reserved_bytes and p.cuda_context_bytes is not None and p.bytes_per_row > 0,
+                f"outcome {report.outcome} ({report.evidence_level}): {report.reason}; {p}")
     else:
-        require(report.decision is None and report.evidence_level == "cpu-mechanism", f"CPU decision {report.decision}")
-    return f"checkpoint candidate passes gates 1-4; decision {report.decision or 'null'} ({report.evidence_level}): {report.reason}"
+        require(report.outcome is None and report.evidence_level == "cpu-mechanism", f"CPU outcome {report.outcome}")
+    return f"checkpoint candidate passes gates 1-4 (RNG, noise floor); outcome {report.outcome or 'null'} ({report.evidence_level}): " \
+           f"{report.reason}"
+
+
+def check_scenarios(probe: Probe) -> str:
+    from trainmech import candidates, scenarios
+    from trainmech.optimizer_in_backward import OptimizerInBackward
+
+    model = probe.model()
+    batch = probe.lm_batch()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optimizers = {"foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
+                  "in-backward": lambda ps: OptimizerInBackward(ps, lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=probe.cuda))}
+    got = scenarios.measure_matrix(model, batch, initial, strategies={"baseline": None, "checkpoint": candidates.activation_checkpointing},
+                                   optimizers=optimizers)
+    rows = scenarios.scenario_matrix(model.config, probe.batch, probe.seq, device=probe.device.type, strategies=("baseline", "checkpoint"),
+                                     optimizers=tuple(optimizers))
+    tracked = scenarios.worst_error(rows, {k: (m.forward_backward_bytes, m.update_bytes) for k, m in got.items()})
+    if probe.cuda:
+        allocated = {k: (m.forward_backward_allocated, m.update_allocated) for k, m in got.items()}
+        require(all(a and b for a, b in allocated.values()), f"allocator peaks missing: {allocated}")
+        return f"{len(rows)} scenarios measured; ledger vs tracked bytes worst {tracked:.1%}, vs allocated worst " \
+               f"{scenarios.worst_error(rows, allocated):.1%} (accuracy targets: issue 15)"
+    require(tracked <= 0.01 and all(m.update_allocated is None for m in got.values()), f"ledger vs tracked bytes {tracked:.2%}")
+    return f"{len(rows)} scenarios: the ledger's views within {tracked:.2%} of the tracked bytes; allocator fields null off CUDA"
+
+
+def check_strategy_records(probe: Probe) -> str:
+    from trainmech import candidates, gates, ledger, scenarios, strategy_records, tracing
+
+    model = probe.model()
+    batch = probe.lm_batch()
+    gw = candidates.fixed_batch_workload(model, batch, updates=2)
+    baseline = candidates.Candidate("baseline", "TRAIN-CHECKPOINT")
+    base = tracing.run_trace(baseline, gw, keep_weights=True)
+    cand = candidates.candidate("hf-checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing)
+    trace = tracing.run_trace(cand, gw, teacher=base)
+    run = strategy_records.StrategyRun("hf-checkpoint", "TRAIN-CHECKPOINT", 2, trace, gates.gradients_gate(base, trace, "float32"))
+    require(run.verdict.passed, run.verdict.message)
+    run.performance, run.reference_performance = tracing.remeasure(cand, baseline, gw, warmup=1, repeats=2)
+    fields = run.record_fields("gpu-check")
+    state = gw.fresh_state(baseline)
+    baseline.backward(state, gw.windows[0])
+    baseline.update(state)
+    books = {s: scenarios.scenario_ledger(model.config, probe.batch, probe.seq, strategy=s, step="steady", device=probe.device.type)
+             for s in ("baseline", "checkpoint")}
+    steps = [scenarios.tracked_step(model, state.optimizer, batch, c) for c in (None, candidates.activation_checkpointing)]
+    ledger_record = strategy_records.ledger_fields("hf-checkpoint", books["checkpoint"], steps[1], steps[0], books["baseline"],
+                                                   model=probe.model_name, min_bytes=None)
+    on_gpu = fields["metrics"]["cpu_tracked_peak_bytes"] is None
+    require(on_gpu == probe.cuda and (fields["resources"]["peak_reserved_bytes"] is not None) == probe.cuda,
+            f"record fields on {probe.device.type}: {fields['resources']}")
+    require((ledger_record["resources"]["peak_allocated_bytes"] is not None) == probe.cuda, f"ledger record: {ledger_record['resources']}")
+    return f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}" \
+           + (f"; median x{run.performance.step_time_median_s / run.reference_performance.step_time_median_s:.2f}" if probe.cuda else "")
 
 
 def check_rng_resume(probe: Probe) -> str:
@@ -312,17 +379,25 @@ PACKAGE = [
     Branch("ledger.cuda", ("ledger.attention_kernel", "ledger._update_states", "ledger.measure_point", "ledger.benchmark"),
            "kernel choice: fp32 grouped-query attention falls back to math on CUDA (flash on CPU); foreach AdamW temporaries on CUDA",
            check_ledger_on_device, 6),
-    Branch("strategies.offload", ("strategies.ActivationOffload.__init__", "strategies.ActivationOffload._to_host",
-                                  "strategies.ActivationOffload.unpack", "strategies.ActivationOffload._issue",
-                                  "strategies.ActivationOffload.finish"),
-           "pinned host buffers, a side stream, CUDA events for copy and wait times, record_stream", check_offload, 3),
-    Branch("strategies.save_on_cpu", ("strategies.CountingSaveOnCpu.__init__", "strategies.CountingSaveOnCpu._timed",
-                                      "strategies.CountingSaveOnCpu.finish"),
-           "torch's save_on_cpu with pinned memory, timed by CUDA events", check_save_on_cpu, 3),
-    Branch("gates.cuda", ("gates._rng_digest", "gates.Performance.on_gpu", "gates.measure", "gates.decide",
-                          "gates.performance_verdict"),
-           "the CUDA RNG in the inputs gate; empty_cache and allocator peaks in the performance stage; accept / tune / reject",
-           check_gates, 8),
+    Branch("offload", ("offload.hooks.ActivationOffload.__init__", "offload.copies.host_arena", "offload.copies.side_streams",
+                       "offload.copies.CudaCopies._events", "offload.copies.CudaCopies.to_host", "offload.copies.CudaCopies.let_go",
+                       "offload.copies.CudaCopies.to_device", "offload.copies.CudaCopies.before_use", "offload.copies.CudaCopies.read_times"),
+           "pinned host arena, cached D2H / H2D side streams, held sources released at a D2H event, CUDA events for copy and wait "
+           "times read after the step", check_offload, 3),
+    Branch("offload.save_on_cpu", ("offload.save_on_cpu.CountingSaveOnCpu.__init__", "offload.save_on_cpu.CountingSaveOnCpu._mark",
+                                   "offload.save_on_cpu.CountingSaveOnCpu.pack", "offload.save_on_cpu.CountingSaveOnCpu.unpack",
+                                   "offload.save_on_cpu.CountingSaveOnCpu.read_times"),
+           "torch's save_on_cpu with pinned memory, timed by CUDA events read after the step", check_save_on_cpu, 3),
+    Branch("gates.cuda", ("tracing._rng_digest", "tracing._rng_states", "tracing._set_rng_states", "tracing.Performance.on_gpu",
+                          "tracing._peaks", "tracing._end_of_forward", "gates.decide", "gates.performance_verdict",
+                          "gates.Report.record_fields", "gates.strategy_table"),
+           "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks, the CUDA "
+           "context and the bytes per sequence in the performance stage; accept / tune / no-gain", check_gates, 10),
+    Branch("scenarios.measured", ("scenarios.measure_matrix", "scenarios._allocator_probe"),
+           "the scenario matrix measured with the allocator's peaks after the backward and after the step (CPU: tracked bytes)",
+           check_scenarios, 8),
+    Branch("strategy_records", ("strategy_records.StrategyRun.record_fields", "strategy_records.ledger_fields"),
+           "Task5's records take the allocator's peaks on CUDA, the tracked bytes elsewhere", check_strategy_records, 6),
     Branch("update.rng", ("update._rng_state", "update._set_rng_state"),
            "the CUDA generator's state saved into and restored from the checkpoint", check_rng_resume, 2),
 ]
@@ -330,6 +405,7 @@ PACKAGE = [
 # Not branches, though the scan sees a device string there: why each is no CUDA path.
 NOT_BRANCHES = {
     "measure._cpu_allocator_events": "filters the CPU profiler's events to CPU ones; nothing runs on CUDA",
+    "scenarios.with_optimizer": "reads the ledger's device field (a prediction) to pick the in-backward step's kernel; no CUDA call",
 }
 
 # Notebook cells whose CUDA side only a CUDA-mode run executes (the notebook pass runs them).
@@ -349,20 +425,22 @@ NOTEBOOK_CELLS = {
     "Task4:cell-26": "allocator peaks, reserved − allocated, the allocator history",
     "Task4:cell-28": "allocated / reserved peaks into the record; measured_with torch.cuda.max_memory_allocated",
     "Task4:cell-32": "the bf16 inventory on Qwen2.5-0.5B b1 s256 instead of the CPU workload",
-    "Task5:cell-05": "warm-up and timed updates, allocator peaks, the forward+backward probe; tolerances instead of bitwise",
+    "Task5:cell-03": "3 warm-up + 21 timed updates on CUDA (1 + 3 on CPU)",
+    "Task5:cell-05": "gate 2 against the baseline everywhere; the bitwise claim on CPU only",
     "Task5:cell-09": "the baseline peak claim is CPU-only",
-    "Task5:cell-25": "RNG-preserving replay within GRAD_RTOL_CUDA instead of bitwise",
-    "Task5:cell-30": "transfer_s / h2d_wait_s from CUDA events",
+    "Task5:cell-25": "RNG-preserving replay within gates.GRAD_RTOL instead of bitwise",
+    "Task5:cell-30": "copy and exposed transfer times from CUDA events",
     "Task5:cell-35": "ledger-vs-measured peak claims are CPU-only",
     "Task5:cell-37": "saved-bytes claims are CPU-only",
-    "Task5:cell-39": "the offload peak-phase claim is CPU-only",
-    "Task5:cell-44": "decisions from GPU peaks and medians; exposed transfer time; the timing table",
-    "Task5:cell-46": "records with allocator peaks and measured_with torch.cuda.max_memory_allocated",
-    "Task6:cell-03": "3 warm-up + 10 timed steps on CUDA; one CPU thread only on CPU",
+    "Task5:cell-39": "peak phase and composition claims are CPU-only",
+    "Task5:cell-42": "the scenario matrix with the allocator's peaks on CUDA; the 1 % claim on tracked bytes CPU-only",
+    "Task5:in-backward": "optimizer-in-backward within 1e-5 of AdamW on CUDA, bitwise on CPU",
+    "Task5:transfer-estimate": "this machine's copy bandwidth and phase times, measured, beside the nominal bound",
+    "Task5:cell-44": "the timing table, decisions from reserved peaks, bytes per sequence and medians; the overlap claim",
+    "Task6:cell-03": "3 warm-up + 21 timed steps on CUDA; one CPU thread only on CPU",
+    "Task6:noise-floor": "the bitwise reference rerun is claimed on CPU only",
     "Task6:cell-17": "the FP16 margin claim is CPU-only",
-    "Task6:cell-29": "decisions accept / tune / reject from GPU measurements",
-    "Task6:cell-31": "allocator peaks and medians in the table; tracked-bytes claims CPU-only",
-    "Task6:cell-37": "records with allocator peaks; cpu_tracked_peak_bytes null",
+    "Task6:cell-31": "the tracked-bytes identity of checkpoint+offload is claimed on CPU only",
 }
 
 # Kernel choices with no device test in the cell: the SDPA kernel follows the device and dtype
@@ -371,7 +449,9 @@ NOTEBOOK_CELLS = {
 KERNEL_CHOICE_CELLS = {
     "Task4:cell-09": ("layer_saved(...) defaults to the flash kernel; CUDA fp32 GQA runs math (1 % claim)", "issue 15"),
     "Task4:cell-11": ("per-layer saved bytes against the flash inventory (same kernel choice)", "issue 15"),
-    "Task5:cell-19": ("saved_ops == 8·L assumes one fused SDPA op; the math kernel saves two bmm", "issue 16"),
+    "Task5:cell-11": ("the layer inventory follows the ledger's kernel for the device (books['baseline'].attention)", None),
+    "Task5:cell-19": ("the selective checkpoint's saved outputs against the matmul and attention ops a plain forward dispatched "
+                      "(one fused SDPA op on CPU, two bmm with CUDA's math kernel)", None),
 }
 
 
@@ -408,10 +488,15 @@ def with_expectation(row: dict) -> dict:
 
 
 def repo_path(key: str) -> Path:
-    """The file a registry key lives in (for messages)."""
+    """The file a registry key lives in (for messages): a module, or a module of a subpackage (offload.copies…)."""
     from trainmech.gpucheck.scan import NOTEBOOKS_DIR, PACKAGE_DIR
 
     if ":" in key:
         task = key.split(":")[0]
         return next(NOTEBOOKS_DIR.glob(f"{task}_*.ipynb"), NOTEBOOKS_DIR / f"{task}.ipynb")
-    return PACKAGE_DIR / (key.split(".")[0] + ".py")
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        candidate = PACKAGE_DIR.joinpath(*parts[:n]).with_suffix(".py")
+        if candidate.is_file():
+            return candidate
+    return PACKAGE_DIR / (parts[0] + ".py")

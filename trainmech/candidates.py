@@ -1,0 +1,290 @@
+"""What the correctness gates judge: a candidate training strategy, the state it acts on, the gate workload.
+
+A candidate is data plus two functions: what it claims (name, the registry experiment it stands
+for, the compute dtype) and its training update, split into `backward` (one accumulation window:
+forward and backward of every micro-batch, filling .grad) and `update` (write the parameters or
+skip, move the scheduler, zero the gradients). The defaults are the package's own step —
+`supervision.accumulate_gradients` and `update.step_if_finite` (or GradScaler's step under FP16) —
+so a candidate differs from the reference only in what it says it changes: strategy contexts
+around each micro-batch (activation checkpointing, offload), or the dtype.
+
+    cand = candidate("offload", "TRAIN-OFFLOAD", Offloading(min_bytes=…))
+    gw = gate_workload(model, rows=4, seq=32, micro_batches=2, attempts=8, inject_at=(2,), dropout=0.1)
+
+The gate workload fixes what every candidate is judged on: the initial weights, the windows
+(rows of unequal length and supervision, so a per-micro-batch mean cannot hide), a held-out
+batch, attempts that receive a non-finite sample, a WSD schedule, the optimizer's kernel (foreach,
+as on CUDA, on every device) and a residual dropout drawn in float32 from the global RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from trainmech import amp, checkpointing, supervision, update
+from trainmech.errors import TrainmechError
+from trainmech.offload import ActivationOffload
+from trainmech.update import wsd_multiplier
+from trainmech.workload import lm_batch, split_micro_batches, supervised_tokens, uneven_batch
+
+PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # claimed dtype -> amp precision
+MAX_SCALE_HALVINGS = 40  # FP16 loss-scale calibration gives up below 2**16 / 2**40
+
+
+@dataclass
+class TrainState:
+    """What a candidate's functions act on; built fresh from the initial weights for every run."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    precision: str  # "fp32" / "bf16" / "fp16": what the candidate claims
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+class Window(list):
+    """One accumulation window: its micro-batches, with their supervised token counts counted once."""
+
+    def __init__(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        super().__init__(micro_batches)
+        self.tokens = tuple(supervised_tokens(mb["labels"]) for mb in micro_batches)
+
+
+# ----------------------------------------------------------------------------- the package's step
+
+
+def window_backward(state: TrainState, window: list[dict], *, contexts=(), normalization: str = "window_tokens") -> torch.Tensor:
+    """One accumulation window by `supervision.accumulate_gradients`: the strategy contexts (functions
+    model -> context manager, entered in order) around each micro-batch, the claimed precision's
+    autocast around the forward, GradScaler's scaling before the backward. Returns the window's loss
+    (unscaled, a device tensor: nothing here waits for the device)."""
+
+    def strategies():
+        stack = ExitStack()
+        for context in contexts:
+            stack.enter_context(context(state.model))
+        return stack
+
+    scaler = state.scaler if state.scaler.is_enabled() else None
+    return supervision.accumulate_gradients(
+        state.model, list(window), normalization=normalization, context=strategies, precision=state.precision,
+        scaler=scaler, model_kwargs={"use_cache": False}, micro_tokens=getattr(window, "tokens", None)).loss
+
+
+def effective_update(state: TrainState) -> bool:
+    """The update: GradScaler's step under FP16 (it skips on inf / NaN), else `update.step_if_finite`;
+    the scheduler moves only when the optimizer really stepped; the window's gradients are then zeroed
+    either way (a skipped window is dropped). Returns whether it stepped."""
+    if state.scaler.is_enabled():
+        stepped = amp.scaled_step(state.scaler, state.optimizer)
+    else:
+        stepped = update.step_if_finite(state.optimizer)
+    if stepped:
+        state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return stepped
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    semantic_id: str  # the registry experiment it stands for, e.g. TRAIN-CHECKPOINT
+    dtype: str = "float32"  # the compute dtype it claims: float32 / float16 / bfloat16
+    backward: Callable[[TrainState, list[dict]], object] = window_backward
+    update: Callable[[TrainState], object] = effective_update
+    strategies: tuple = ()  # the strategy contexts inside `backward`, when built by `candidate` (their stats are read there)
+
+    def __post_init__(self):
+        if self.dtype not in PRECISION:
+            raise TrainmechError(f"candidate {self.name}: unknown dtype {self.dtype!r}; valid: {', '.join(PRECISION)}")
+
+    @property
+    def precision(self) -> str:
+        return PRECISION[self.dtype]
+
+
+def candidate(name: str, semantic_id: str, *contexts, dtype: str = "float32", **kwargs) -> Candidate:
+    """A candidate whose backward is `window_backward` inside the given strategy contexts."""
+    return Candidate(name, semantic_id, dtype, partial(window_backward, contexts=contexts), strategies=contexts, **kwargs)
+
+
+# ----------------------------------------------------------------------------- strategy contexts
+
+
+def activation_checkpointing(model: torch.nn.Module, **checkpoint_kwargs):
+    """transformers' own activation checkpointing (checkpointing.hf_checkpointing) around one micro-batch."""
+    return checkpointing.hf_checkpointing(model, **checkpoint_kwargs)
+
+
+class Offloading:
+    """Activation offload as a strategy context: one set of saved-tensor hooks per micro-batch,
+    `ActivationOffload.for_model(model, **offload_kwargs)` unless `hooks` (model -> hooks) says otherwise.
+
+    Every instance is kept (`runs`) until `collect()`: its bytes right away, its CUDA copy and wait
+    times once the timed steps are over (reading them waits for the device).
+    """
+
+    def __init__(self, hooks: Callable[[torch.nn.Module], object] | None = None, **offload_kwargs) -> None:
+        self.make = hooks or (lambda model: ActivationOffload.for_model(model, **offload_kwargs))
+        self.runs: list = []
+
+    @contextmanager
+    def __call__(self, model: torch.nn.Module) -> Iterator[object]:
+        hooks = self.make(model)
+        with hooks:
+            yield hooks
+        hooks.finish()
+        self.runs.append(hooks)
+
+    def collect(self) -> list:
+        """The TransferStats of every run since the last collect, times filled in (CUDA), and forget them."""
+        out = [hooks.read_times() for hooks in self.runs]
+        self.runs = []
+        return out
+
+
+# ----------------------------------------------------------------------------- the gate workload
+
+
+@contextmanager
+def residual_dropout(model: torch.nn.Module, p: float) -> Iterator[None]:
+    """While inside, each decoder layer's MLP output is dropped with probability p in training mode.
+
+    The mask is drawn in float32 from the device's global generator, so a float16 and a float32 run
+    draw the same mask (Qwen2's attention_dropout draws inside the SDPA kernel, whose random stream
+    differs between kernels and dtypes on a GPU), and a replay that does not restore the RNG state
+    draws another one. It sits inside the decoder layer, so activation checkpointing replays it.
+    """
+    if not 0 <= p < 1:
+        raise TrainmechError(f"dropout must lie in [0, 1), got {p}")
+
+    def drop(module, inputs, out):
+        if not module.training or p == 0:
+            return out
+        keep = torch.rand(out.shape, dtype=torch.float32, device=out.device) >= p
+        return out * keep.to(out.dtype) / (1 - p)
+
+    handles = [layer.mlp.register_forward_hook(drop) for layer in model.model.layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class GateWorkload:
+    """The fixed inputs every candidate is judged on: same weights, windows, held-out batch, schedule."""
+
+    model: torch.nn.Module
+    initial: dict[str, torch.Tensor]  # state_dict copy on the CPU
+    windows: list[Window]  # one accumulation window per update attempt
+    held_out: dict[str, torch.Tensor]
+    inject_at: tuple[int, ...] = ()  # attempts whose logits are made NaN: a non-finite sample
+    lr: float = 1e-3
+    schedule: dict = field(default_factory=dict)  # wsd_multiplier keywords
+    seed: int = 0
+    dropout: float = 0.0  # residual dropout after each MLP (`residual_dropout`)
+    foreach: bool | None = True  # AdamW's kernel, forced (None: PyTorch's default for the device)
+    loss_scale_start: float = 2.0**16  # FP16: GradScaler's init_scale before the calibration
+    calibrate_loss_scale: bool = True  # FP16: find the start scale before the traced attempts (`calibrated_scale`)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def clean(self) -> list[Window]:
+        """The windows of attempts without an injected sample (for timing)."""
+        return [w for a, w in enumerate(self.windows) if a not in self.inject_at]
+
+    def expected_lr(self, k: int) -> float:
+        """The learning rate of effective update k (0-based) by the update clock."""
+        return self.lr * wsd_multiplier(k, **self.schedule)
+
+    def running(self):
+        """The context every run of a candidate on this workload is made in (the residual dropout)."""
+        return residual_dropout(self.model, self.dropout) if self.dropout else nullcontext()
+
+    def fresh_state(self, cand: Candidate, *, init_scale: float | None = None) -> TrainState:
+        """The initial weights, no gradients, a new AdamW, scheduler and GradScaler (init_scale: a calibrated one)."""
+        self.model.load_state_dict(self.initial)
+        self.model.zero_grad(set_to_none=True)
+        self.model.train()
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, foreach=self.foreach)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: wsd_multiplier(k, **self.schedule))
+        scaler_kwargs = {} if init_scale is None else {"init_scale": init_scale}
+        return TrainState(self.model, optimizer, scheduler, amp.grad_scaler(self.device, cand.precision, **scaler_kwargs),
+                          cand.precision)
+
+
+def _on(device: torch.device, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def gate_workload(model, *, rows: int, seq: int, micro_batches: int, attempts: int, inject_at=(), lr=1e-3,
+                  warmup_updates: int = 1, decay_updates: int = 1, min_lr_ratio: float = 0.1, seed: int = 0,
+                  dropout: float = 0.0, foreach: bool | None = True) -> GateWorkload:
+    """Windows of `workload.uneven_batch` rows from successive stretches of the domain text, split into
+    micro-batches; a held-out batch of the same shape from the general text; a WSD schedule over
+    the effective updates (attempts minus injected ones)."""
+    device = next(model.parameters()).device
+    windows = [Window([_on(device, mb) for mb in split_micro_batches(uneven_batch(rows, seq, offset=a * rows * seq), micro_batches)])
+               for a in range(attempts)]
+    effective = attempts - len(set(inject_at))
+    stable = effective - warmup_updates - decay_updates
+    if stable < 0:
+        raise TrainmechError(f"{effective} effective updates cannot hold warmup {warmup_updates} + decay {decay_updates}")
+    schedule = dict(warmup_steps=warmup_updates, stable_steps=stable, decay_steps=decay_updates, min_lr_ratio=min_lr_ratio)
+    initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return GateWorkload(model, initial, windows, _on(device, uneven_batch(rows, seq, "general")), tuple(inject_at), lr,
+                        schedule, seed, dropout, foreach)
+
+
+def fixed_batch_workload(model, batch: dict[str, torch.Tensor], *, updates: int, lr: float = 1e-3, seed: int = 0,
+                         foreach: bool | None = None) -> GateWorkload:
+    """`updates` windows of one full batch each, a constant learning rate, no injected sample, no dropout,
+    AdamW's kernel the device's default: a memory strategy's experiment (Task5) run through the gates."""
+    device = next(model.parameters()).device
+    rows, seq = batch["input_ids"].shape
+    initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    schedule = dict(warmup_steps=0, stable_steps=updates, decay_steps=0)
+    return GateWorkload(model, initial, [Window([_on(device, batch)]) for _ in range(updates)],
+                        _on(device, lm_batch("general", rows, seq)), (), lr, schedule, seed, 0.0, foreach)
+
+
+# ----------------------------------------------------------------------------- FP16: the loss scale's start
+
+
+def calibrated_scale(cand: Candidate, gw: GateWorkload) -> tuple[float | None, int]:
+    """FP16: the loss scale at which the first clean window's gradients are finite, found as GradScaler
+    finds it (halve on inf / NaN) from `gw.loss_scale_start` (GradScaler's 2**16), before the traced
+    attempts and without any update; (scale, halvings). Other dtypes: (None, 0). With the calibration
+    off (`gw.calibrate_loss_scale`), (the start scale, 0): GradScaler then finds it by skipping updates.
+
+    A correct FP16 candidate may otherwise skip its first updates while the scale comes down, and be
+    rejected for updates it did not make; the halvings are reported beside the gates instead.
+    """
+    if cand.precision != "fp16":
+        return None, 0
+    if not gw.calibrate_loss_scale:
+        return gw.loss_scale_start, 0
+    state = gw.fresh_state(cand, init_scale=gw.loss_scale_start)
+    for halvings in range(MAX_SCALE_HALVINGS):
+        cand.backward(state, gw.clean[0])
+        state.scaler.unscale_(state.optimizer)
+        before = state.scaler.get_scale()
+        state.scaler.update()  # halves the scale when unscale_ found an inf or NaN
+        state.optimizer.zero_grad(set_to_none=True)
+        if state.scaler.get_scale() >= before:
+            return before, halvings
+    raise TrainmechError(f"candidate {cand.name}: no loss scale down to 2**{16 - MAX_SCALE_HALVINGS} gives finite gradients")

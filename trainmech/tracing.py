@@ -1,0 +1,425 @@
+"""What one run of a candidate through the gate workload showed, and what its steps cost.
+
+`run_trace` runs every attempt of the gate workload from the initial weights; two small watchers
+record what the model really received (`watch_inputs`) and which optimizer steps really ran
+(`watch_steps`), whatever the candidate says. Nothing here zeroes the gradients: that is the
+candidate's update's job, so forgetting it is a bug the gates can see.
+
+`remeasure` is the fifth stage's measurement: peaks of one steady update measured alone (CUDA:
+allocated and reserved, after `empty_cache()` and a reset, for the forward + backward and for the
+whole update; any device: the tracked tensor bytes), what one more sequence adds to what a
+micro-batch keeps alive at the end of its forward (the capacity slope), then step times with the reference's and the
+candidate's updates interleaved, so that a drift of the machine hits both alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import math
+import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from trainmech import amp, supervision
+from trainmech.candidates import Candidate, GateWorkload, Window, calibrated_scale
+from trainmech.measure import StorageTracker, cuda_peaks, reset_cuda_peaks, time_stats, timed
+from trainmech.workload import supervised_tokens
+
+MIN_TIMED_FOR_P95 = 21  # with fewer samples the interpolated 95th percentile is the maximum itself
+
+
+@dataclass
+class Trace:
+    """What one run of a candidate through the gate workload showed."""
+
+    candidate: str
+    consumed: list[list[str]] = field(default_factory=list)  # per attempt: a digest per sequence the model received
+    handed: list[str] = field(default_factory=list)  # per attempt: digest of the window handed out (ids, masks, labels)
+    rng: list[str] = field(default_factory=list)  # per attempt: digest of the RNG state at its start
+    tokens: int = 0  # visible tokens the model received
+    losses: list[float] = field(default_factory=list)  # per attempt that finished its backward: the window's loss
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per such attempt: its gradients, unscaled, on the CPU
+    #      (with a teacher: computed from the teacher's weights at that attempt)
+    weights: list[dict[str, torch.Tensor]] = field(default_factory=list)  # keep_weights: the parameters at each attempt's start
+    dtypes: list[str] = field(default_factory=list)  # what the Linear layers produced in the first window
+    stepped: list[bool] = field(default_factory=list)  # per attempt: optimizer.step() ran
+    finite: list[bool] = field(default_factory=list)  # per attempt: every parameter finite afterwards
+    lrs: list[float] = field(default_factory=list)  # the learning rate at each optimizer.step()
+    attempt_lrs: list[float] = field(default_factory=list)  # the learning rate at the start of each attempt
+    optimizer_steps: int = 0  # AdamW's own step count at the end
+    scheduler_steps: int = 0
+    held_out_before: float | None = None  # held-out token loss of the initial weights
+    held_out_loss: float | None = None  # … after every attempt
+    loss_scale: float | None = None  # FP16: the calibrated scale the run started from
+    scale_halvings: int = 0  # FP16: halvings the calibration needed (GradScaler's start-up, not the candidate's skips)
+    error: str | None = None  # "attempt k, backward: RuntimeError: ..." when the candidate raised
+
+    @property
+    def loss(self) -> float | None:
+        """The first window's loss."""
+        return self.losses[0] if self.losses else None
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu").contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _rng_digest(device: torch.device) -> str:
+    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
+    return _digest(*states)
+
+
+def sequence_digests(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None) -> list[str]:
+    """One digest per sequence the model may see: per row, the visible tokens (attention_mask 1), cut
+    where position_ids restart at 0 (packed rows). Re-splitting, reordering or packing keeps the multiset."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    out = []
+    for r, (ids, m) in enumerate(zip(input_ids, mask)):
+        visible = m.bool()
+        if position_ids is None:
+            out.append(_digest(ids[visible]))
+            continue
+        pos = position_ids[r if position_ids.shape[0] > 1 else 0][visible]
+        starts = [0, *[int(k) for k in (pos == 0).nonzero().flatten() if k > 0], int(visible.sum())]
+        out += [_digest(ids[visible][a:b]) for a, b in zip(starts, starts[1:]) if b > a]
+    return out
+
+
+@dataclass
+class InputLog:
+    """What `watch_inputs` saw: the sequences of each window, and the visible tokens."""
+
+    windows: list[list[str]] = field(default_factory=list)
+    tokens: int = 0
+    paused: bool = False  # while set, forwards are not recorded (a teacher-forced second pass)
+
+
+@contextmanager
+def watch_inputs(model: torch.nn.Module) -> Iterator[InputLog]:
+    """A forward pre-hook on the model: the digest of every sequence it really received, per window
+    (call `log.windows.append([])` at each window's start)."""
+    log = InputLog()
+
+    def seen(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and log.windows and not log.paused:
+            mask = kwargs.get("attention_mask")
+            log.windows[-1].extend(sequence_digests(ids, mask, kwargs.get("position_ids")))
+            log.tokens += int(ids.numel() if mask is None else mask.sum())
+
+    handle = model.register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        yield log
+    finally:
+        handle.remove()
+
+
+@dataclass
+class StepLog:
+    steps: int = 0  # optimizer.step() calls that really ran
+    lrs: list[float] = field(default_factory=list)  # the learning rate each one used
+
+
+@contextmanager
+def watch_steps(optimizer: torch.optim.Optimizer) -> Iterator[StepLog]:
+    """An optimizer step pre-hook: how many steps really ran, and at which learning rate."""
+    log = StepLog()
+
+    def stepping(opt, *_):
+        log.steps += 1
+        log.lrs.append(opt.param_groups[0]["lr"])
+
+    handle = optimizer.register_step_pre_hook(stepping)
+    try:
+        yield log
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def _nan_logits(model: torch.nn.Module, on: bool):
+    """A non-finite sample: every gradient of this window becomes NaN."""
+    handle = model.lm_head.register_forward_hook(lambda m, i, out: out * float("nan")) if on else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def all_finite(tensors) -> bool:
+    """Every tensor free of inf and NaN, by one fused check (one wait for the device)."""
+    tensors = [t for t in tensors if t is not None]
+    return not tensors or bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)))
+
+
+def held_out_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    """Mean token loss (nats) over the batch's supervised tokens, in float32, without gradients."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        loss = supervision.token_loss_sum(logits, batch["labels"]).item() / supervised_tokens(batch["labels"])
+    model.train()
+    return loss
+
+
+def _stable_head(e: Exception) -> str:
+    said = str(e).strip().splitlines()[0].split(": ")[0][:160] if str(e).strip() else ""
+    return f"{type(e).__name__}: {said}"
+
+
+def _rng_states(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_states(device: torch.device, states: tuple) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def _scale(state) -> float:
+    return state.scaler.get_scale() if state.scaler.is_enabled() else 1.0
+
+
+def _from_weights(cand: Candidate, state, window, weights: dict[str, torch.Tensor],
+                  params: dict[str, torch.nn.Parameter]) -> tuple[float, dict[str, torch.Tensor]]:
+    """The candidate's backward from `weights` (the teacher's at this attempt), on top of whatever the candidate
+    left in .grad, under the current RNG state: (loss, unscaled gradients on the CPU). The candidate's own
+    weights, its .grad and the RNG state are put back afterwards, so its own run goes on untouched."""
+    device = next(iter(params.values())).device
+    rng = _rng_states(device)
+    own = {n: p.detach().clone() for n, p in params.items()}
+    left = {n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(weights[n])
+    loss = cand.backward(state, window)
+    grads = {n: p.grad.detach().float().cpu() / _scale(state) for n, p in params.items() if p.grad is not None}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(own[n])
+            p.grad = left[n]
+    _set_rng_states(device, rng)
+    return float(loss), grads
+
+
+def _same_weights(params: dict[str, torch.nn.Parameter], weights: dict[str, torch.Tensor]) -> bool:
+    """Bitwise the teacher's weights (then the candidate's own pass is the one from them: no second pass)."""
+    return all(torch.equal(p.detach().cpu(), weights[n]) for n, p in params.items())
+
+
+def run_trace(cand: Candidate, gw: GateWorkload, *, seed: int | None = None, teacher: Trace | None = None,
+              keep_weights: bool = False) -> Trace:
+    """Run the candidate through every attempt of the gate workload from the initial weights, watching what
+    the model receives, every window's gradients, the first window's dtypes, every optimizer step and the
+    held-out loss. An exception from the candidate ends the run and is kept in `error`. seed: the RNG seed
+    the run starts from (default the workload's; another one gives the reference's seed-to-seed spread).
+
+    teacher: a trace that kept its weights (`keep_weights`, the reference's). Each attempt's recorded loss and
+    gradients are then the candidate's backward from the teacher's weights at that attempt — where its own
+    updates moved it off them, a second backward whose effects are undone before its own — so a window is
+    judged on the same weights as the reference's, whatever the candidate's earlier updates did (gates 3 and 4
+    judge those)."""
+    trace, model = Trace(cand.name), gw.model
+    params = dict(model.named_parameters())
+    with gw.running():
+        model.load_state_dict(gw.initial)
+        trace.held_out_before = held_out_loss(model, gw.held_out)
+        try:
+            trace.loss_scale, trace.scale_halvings = calibrated_scale(cand, gw)
+        except Exception:  # the candidate's own failure: the traced attempts meet it again and keep it
+            trace.loss_scale, trace.scale_halvings = None, 0
+        torch.manual_seed(gw.seed if seed is None else seed)
+        state = gw.fresh_state(cand, init_scale=trace.loss_scale)
+        with watch_inputs(model) as inputs, watch_steps(state.optimizer) as steps:
+            for attempt, window in enumerate(gw.windows):
+                inputs.windows.append([])
+                trace.handed.append(_digest(*[mb[k] for mb in window for k in ("input_ids", "attention_mask", "labels")],
+                                            torch.tensor([attempt in gw.inject_at])))
+                trace.rng.append(_rng_digest(gw.device))
+                trace.attempt_lrs.append(state.optimizer.param_groups[0]["lr"])
+                if keep_weights:
+                    trace.weights.append({n: p.detach().to("cpu", copy=True) for n, p in params.items()})
+                stage, before = "backward", steps.steps
+                try:
+                    with _nan_logits(model, attempt in gw.inject_at), amp.activation_dtypes(model, ("Linear",)) as dtypes:
+                        forced = teacher is not None and not _same_weights(params, teacher.weights[attempt])
+                        if forced:  # the candidate's own updates moved it off the teacher's weights
+                            inputs.paused = True
+                            loss, grads = _from_weights(cand, state, window, teacher.weights[attempt], params)
+                            inputs.paused = False
+                        own = cand.backward(state, window)
+                    if not forced:  # its own pass is the pass from the teacher's weights
+                        loss, grads = float(own), {n: p.grad.detach().float().cpu() / _scale(state)
+                                                   for n, p in params.items() if p.grad is not None}
+                    trace.losses.append(loss)
+                    trace.grads.append(grads)
+                    if attempt == 0:
+                        trace.dtypes = sorted(dtypes.get("Linear", ()))
+                    stage = "update"
+                    cand.update(state)
+                except Exception as e:  # the candidate's own failure is evidence, not a crash of the pipeline
+                    trace.error = f"attempt {attempt}, {stage}: {_stable_head(e)}"
+                    break
+                trace.stepped.append(steps.steps > before)
+                trace.finite.append(all_finite(params.values()))
+            trace.consumed, trace.tokens, trace.lrs = inputs.windows, inputs.tokens, steps.lrs
+        states = [s["step"] for s in state.optimizer.state.values() if "step" in s]
+        trace.optimizer_steps = int(states[0]) if states else 0
+        trace.scheduler_steps = state.scheduler.last_epoch
+        if trace.error is None:
+            trace.held_out_loss = held_out_loss(model, gw.held_out)
+    return trace
+
+
+# ----------------------------------------------------------------------------- performance
+
+
+@dataclass
+class Performance:
+    """The fifth stage's measurements of one candidate (CUDA fields None elsewhere: unknown, not 0)."""
+
+    device_type: str
+    step_time_median_s: float
+    step_time_p95_s: float
+    peak_allocated_bytes: int | None  # CUDA allocator over one steady update (forward, backward, step)
+    peak_reserved_bytes: int | None  # … reserved from the device, the cache emptied first: what an OOM is about
+    forward_backward_allocated_bytes: int | None  # the same two over the forward + backward alone
+    forward_backward_reserved_bytes: int | None
+    cuda_context_bytes: int | None  # device memory in use outside this process's allocator (the CUDA context, others)
+    bytes_per_row: int  # what one more sequence in a micro-batch adds to the bytes alive at the end of its forward
+    #                     (CUDA: allocated; elsewhere tracked): the capacity criterion, what the largest micro-batch that fits hinges on
+    tracked_peak_bytes: int  # tensor storages born in one steady update, at their peak (any device)
+    tracked_forward_backward_bytes: int  # … before the optimizer step
+    exposed_transfer_s: float | None  # offload, CUDA: the compute stream's waits for copies per update (median)
+    transfer_s: float | None  # offload, CUDA: copy time on the side streams per update (median)
+    warmup: int
+    repeats: int
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device_type == "cuda" and self.peak_reserved_bytes is not None
+
+
+def _attempt(cand: Candidate, state, window) -> None:
+    cand.backward(state, window)
+    cand.update(state)
+
+
+def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | None) -> dict:
+    """One steady update measured alone, after `warmup` untimed ones: tracked bytes, and on CUDA the
+    allocator's peaks (the cache emptied and the peaks reset first)."""
+    state = gw.fresh_state(cand, init_scale=init_scale)
+    clean = gw.clean
+    for i in range(max(warmup, 1)):  # at least one: the optimizer's moments exist, as in every later update
+        _attempt(cand, state, clean[i % len(clean)])
+    window = clean[max(warmup, 1) % len(clean)]
+    out = dict.fromkeys(("peak_allocated_bytes", "peak_reserved_bytes", "forward_backward_allocated_bytes",
+                         "forward_backward_reserved_bytes", "cuda_context_bytes"))
+    gc.collect()
+    if gw.device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(gw.device)
+        out["cuda_context_bytes"] = int(total - free - torch.cuda.memory_reserved(gw.device))
+        reset_cuda_peaks(gw.device)
+        cand.backward(state, window)
+        fb = cuda_peaks(gw.device)
+        cand.update(state)
+        whole = cuda_peaks(gw.device)
+        out.update(forward_backward_allocated_bytes=fb["peak_allocated_bytes"], forward_backward_reserved_bytes=fb["peak_reserved_bytes"],
+                   **whole)
+    tracker = StorageTracker("backward")
+    with tracker:
+        cand.backward(state, window)
+        forward_backward = max(tracker.live, default=0)
+        tracker.phase = "update"
+        cand.update(state)
+    out.update(tracked_peak_bytes=max(tracker.live, default=0), tracked_forward_backward_bytes=forward_backward,
+               bytes_per_row=_bytes_per_row(cand, state, window[0], gw.device))
+    return out
+
+
+def _end_of_forward(cand: Candidate, state, micro_batch: dict, device: torch.device) -> int:
+    """Bytes one micro-batch keeps alive when its logits exist (the end of its forward), above what lived
+    before: CUDA's allocated memory, elsewhere the tracked tensor bytes. Its gradients are dropped after."""
+    seen = []
+    if device.type == "cuda":
+        start = torch.cuda.memory_allocated(device)
+        hook = state.model.lm_head.register_forward_hook(lambda *_: seen.append(torch.cuda.memory_allocated(device) - start))
+        cand.backward(state, Window([micro_batch]))
+    else:
+        tracker = StorageTracker("forward")
+        hook = state.model.lm_head.register_forward_hook(lambda *_: seen.append(tracker.live[-1] if tracker.live else 0))
+        with tracker:
+            cand.backward(state, Window([micro_batch]))
+    hook.remove()
+    state.optimizer.zero_grad(set_to_none=True)
+    return seen[0]
+
+
+def _bytes_per_row(cand: Candidate, state, micro_batch: dict, device: torch.device) -> int:
+    """The capacity slope: (alive at the end of the forward with the micro-batch's rows twice - with them once) / rows."""
+    doubled = {k: torch.cat([v, v]) for k, v in micro_batch.items()}
+    rows = int(micro_batch["input_ids"].shape[0])
+    return (_end_of_forward(cand, state, doubled, device) - _end_of_forward(cand, state, micro_batch, device)) // rows
+
+
+def _transfer(cand: Candidate, attempts: int) -> tuple[float | None, float | None]:
+    """Median per update of the offload strategies' exposed transfer and copy times (None off CUDA / without offload)."""
+    runs = [s for strategy in cand.strategies if hasattr(strategy, "collect") for s in strategy.collect()]
+    if not runs or runs[0].exposed_transfer_s is None or attempts == 0:
+        return None, None
+    per = len(runs) // attempts  # instances per update (one per micro-batch)
+    chunks = [runs[k * per:(k + 1) * per] for k in range(attempts)]
+    return (statistics.median(sum(s.exposed_transfer_s for s in c) for c in chunks),
+            statistics.median(sum(s.transfer_s for s in c) for c in chunks))
+
+
+def remeasure(cand: Candidate, reference: Candidate, gw: GateWorkload, *, warmup: int, repeats: int,
+              init_scale: float | None = None, reference_peaks: dict | None = None) -> tuple[Performance, Performance]:
+    """(candidate's, reference's) performance on the gate workload's clean windows.
+
+    Peaks: each alone (`_peaks`). Times: both trained side by side on the same model (values do not
+    matter for timing, only the work), `warmup` untimed updates each, then `repeats` rounds of one
+    timed update each, the order alternating (ABBA), so a slow stretch of the machine hits both.
+    init_scale: the candidate's calibrated loss scale (FP16, from its trace). reference_peaks: a dict that keeps
+    the reference's peaks between calls (they do not change from one candidate to the next), filled on first use.
+    """
+    with gw.running():
+        scales = {id(cand): init_scale, id(reference): None}
+        known = reference_peaks if reference_peaks is not None else {}
+        if (gw_key := (id(gw), warmup)) not in known:
+            known[gw_key] = _peaks(reference, gw, warmup, None)
+        peaks = {id(cand): _peaks(cand, gw, warmup, init_scale), id(reference): known[gw_key]}
+        states = {id(c): gw.fresh_state(c, init_scale=scales[id(c)]) for c in (cand, reference)}
+        clean = gw.clean
+        order = [(cand, reference), (reference, cand)]
+        for i in range(warmup):
+            for c in (cand, reference):
+                _attempt(c, states[id(c)], clean[i % len(clean)])
+        for c in (cand, reference):
+            _transfer(c, 0)  # forget the warm-up's offload runs
+        seconds = {id(cand): [], id(reference): []}
+        for i in range(repeats):
+            for c in order[i % 2]:
+                window = clean[(warmup + i) % len(clean)]
+                seconds[id(c)].append(timed(partial(_attempt, c, states[id(c)], window), gw.device)[1])
+        for c in (cand, reference):
+            states[id(c)].optimizer.zero_grad(set_to_none=True)
+    out = []
+    for c in (cand, reference):
+        exposed, transfer = _transfer(c, repeats)
+        out.append(Performance(gw.device.type, **time_stats(seconds[id(c)]), **peaks[id(c)], exposed_transfer_s=exposed,
+                               transfer_s=transfer, warmup=warmup, repeats=repeats))
+    return out[0], out[1]
+
