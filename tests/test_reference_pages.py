@@ -171,12 +171,15 @@ def test_placeholders_only_for_notebooks_not_yet_run(page):
 
 
 def _defined(module: Path, names: list[str]) -> bool:
-    """Whether module (a .py file) defines names[0] at top level, and names[1:] inside it (class members)."""
+    """Whether module (a .py file) defines names[0] at top level (or imports it, as a package's __init__
+    re-exports), and names[1:] inside it (class members)."""
     body = ast.parse(module.read_text(encoding="utf-8")).body
     for name in names:
         found = None
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+                found = node
+            elif isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
                 found = node
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -189,6 +192,16 @@ def _defined(module: Path, names: list[str]) -> bool:
     return True
 
 
+def _module_of(parts: list[str]) -> tuple[Path | None, list[str]]:
+    """(the .py file the longest prefix of parts names: a module, or a package's __init__; the names after it)."""
+    for n in range(len(parts), 0, -1):
+        base = ROOT / "trainmech" / Path(*parts[:n])
+        for module in (base.with_suffix(".py"), base / "__init__.py"):
+            if module.is_file():
+                return module, parts[n:]
+    return None, parts
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_named_package_functions_exist(page):
     missing = []
@@ -197,8 +210,8 @@ def test_named_package_functions_exist(page):
             if not PACKAGE_NAME.fullmatch(span):
                 continue
             parts = span.removesuffix("()").split(".")[1:]
-            module = ROOT / "trainmech" / f"{parts[0]}.py"
-            if not module.is_file() or (parts[1:] and not _defined(module, parts[1:])):
+            module, rest = _module_of(parts)
+            if module is None or (rest and not _defined(module, rest)):
                 missing.append(span)
     assert not missing, f"{page} names what trainmech does not define: {missing}"
 
