@@ -392,12 +392,12 @@ PACKAGE = [
                           "tracing._peaks", "tracing._end_of_forward", "gates.decide", "gates.performance_verdict",
                           "gates.Report.record_fields", "gates.strategy_table"),
            "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks, the CUDA "
-           "context and the bytes per sequence in the performance stage; accept / tune / no-gain", check_gates, 10),
+           "context and the bytes per sequence in the performance stage; accept / tune / no-gain", check_gates, 8),
     Branch("scenarios.measured", ("scenarios.measure_matrix", "scenarios._allocator_probe"),
            "the scenario matrix measured with the allocator's peaks after the backward and after the step (CPU: tracked bytes)",
-           check_scenarios, 8),
+           check_scenarios, 5),
     Branch("strategy_records", ("strategy_records.StrategyRun.record_fields", "strategy_records.ledger_fields"),
-           "Task5's records take the allocator's peaks on CUDA, the tracked bytes elsewhere", check_strategy_records, 6),
+           "Task5's records take the allocator's peaks on CUDA, the tracked bytes elsewhere", check_strategy_records, 5),
     Branch("update.rng", ("update._rng_state", "update._set_rng_state"),
            "the CUDA generator's state saved into and restored from the checkpoint", check_rng_resume, 2),
 ]

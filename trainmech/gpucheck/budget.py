@@ -51,7 +51,8 @@ def work() -> dict[str, tuple[list[Work], int]]:
     splits = lambda wid: len(wl[wid].micro_batches)  # noqa: E731
     updates = wl["default14"].updates
     ckpt, gates_wl = wl["b2s512_default2"], wl["b4s256_gates"]
-    timed5 = 2 + 10 + 1  # Task5: WARMUP_STEPS + TIMED_STEPS + the forward+backward probe
+    timed = 2 * (3 + 21)  # Task5, Task6: WARMUP_STEPS + TIMED_STEPS on CUDA, for the candidate and the reference beside it
+    peaks = 3 + 1 + 1 + 3  # remeasure's peaks: warm-up, the allocator probe, the tracked update, the bytes per sequence (x1, x2)
     return {
         "Task0": ([_w("loop", wl["loop"].updates + 3, note="the loop + 3 single passes"),
                    _w("loop", 1, recipe="fp64", note="the float64 copy's pass")], 1),
@@ -62,11 +63,14 @@ def work() -> dict[str, tuple[list[Work], int]]:
                   + [_w("default14", 7.5 * updates + 10, note="AMP x3, dynamics x3, continual pretraining")], 3),
         "Task4": ([Work(m, b, s, 2, note="tracked first + steady update") for m, pts in ledger.CUDA_POINTS.items() for b, s in pts]
                   + [Work(p.default_model, 1, 256, 1, recipe="bf16", note="bf16 saved-tensor inventory")], 1),
-        "Task5": ([Work(ckpt.model, ckpt.batch, ckpt.seq, 2 + timed5, note="baseline"),
-                   Work(ckpt.model, ckpt.batch, ckpt.seq, 4 * (ckpt.updates + timed5) * 4 / 3, note="4 checkpoint variants (+1/3 recompute)"),
-                   Work(ckpt.model, ckpt.batch, ckpt.seq, 2 * (1 + timed5) + 6 + 3, note="save_on_cpu, offload, tracked steps")], 0),
-        "Task6": ([Work(gates_wl.model, gates_wl.batch, gates_wl.seq, 20 * gates_wl.updates + 8 * (3 + 10 + 1),
-                        note="~20 gate traces + 8 performance runs")], 1),
+        "Task5": ([Work(ckpt.model, ckpt.batch, ckpt.seq, 2 + 6 + 24 + 4 + 7 + 2 * peaks,
+                        note="baseline trace, tracked steps, 12 scenarios x (2 tracked + 2 probed), in-backward, phase times, "
+                             "the baseline's peaks"),
+                   Work(ckpt.model, ckpt.batch, ckpt.seq, 4 * (2 * ckpt.updates + 1 + peaks + timed) * 4 / 3,
+                        note="4 checkpoint strategies: teacher-forced traces, counts, peaks, timing (+1/3 recompute)"),
+                   Work(ckpt.model, ckpt.batch, ckpt.seq, 2 * (2 * ckpt.updates + peaks + timed), note="save_on_cpu and offload")], 0),
+        "Task6": ([Work(gates_wl.model, gates_wl.batch, gates_wl.seq, 23 * 2 * gates_wl.updates + 5 * (peaks + timed) + peaks + 40,
+                        note="~23 teacher-forced gate traces, 5 performance runs, the reference's peaks, FP16 calibrations")], 1),
     }
 
 
