@@ -326,8 +326,8 @@ def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | N
     window = clean[max(warmup, 1) % len(clean)]
     out = dict.fromkeys(("peak_allocated_bytes", "peak_reserved_bytes", "forward_backward_allocated_bytes",
                          "forward_backward_reserved_bytes", "cuda_context_bytes"))
-    gc.collect()
     if gw.device.type == "cuda":
+        gc.collect()  # tensors held by reference cycles go back to the allocator before the cache is emptied
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(gw.device)
         out["cuda_context_bytes"] = int(total - free - torch.cuda.memory_reserved(gw.device))
