@@ -103,7 +103,10 @@ def inject_parameters(nb: nbformat.NotebookNode, params: dict[str, Any]) -> nbfo
     """Insert a cell tagged `injected-parameters` right after the `parameters` cell (papermill style)."""
     index = parameters_index(nb)
     source = "# Parameters injected by python -m trainmech run\n" + "".join(f"{k} = {v!r}\n" for k, v in params.items())
-    nb.cells.insert(index + 1, nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]}))
+    cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+    if "id" in cell:
+        cell.id = "injected-parameters"  # not a random id: executed copies of two runs diff cleanly
+    nb.cells.insert(index + 1, cell)
     return nb
 
 
