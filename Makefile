@@ -1,6 +1,8 @@
 # trainmech: two commands on a fresh machine.
-#   make run    every notebook headless in CPU mode -> results/$(LABEL)/
-#   make test   the whole suite: unit tests, lint, nbval over the committed notebooks
+#   make run    every notebook headless in CPU mode -> results/$(LABEL)/, as many at once as cores
+#               and memory allow (JOBS=1: one after another; the results are the same)
+#   make test   the whole suite: unit tests, lint, nbval over the committed notebooks, on every core
+#               (pytest-xdist; each test file and each notebook stays in one worker; TEST_WORKERS=0: serial)
 #   make lab    JupyterLab on the notebooks
 # Each target creates or refreshes .venv by itself (only when pyproject.toml changed).
 
@@ -10,6 +12,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 LABEL  ?= cpu-reference
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+JOBS   ?=
+TEST_WORKERS ?= auto
 
 .PHONY: run test lab lint venv clean
 
@@ -23,10 +27,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m trainmech run --mode cpu --label $(LABEL)
+	$(PY) -m trainmech run --mode cpu --label $(LABEL) $(if $(JOBS),--jobs $(JOBS))
 
 test: $(STAMP)
-	$(PY) -m pytest tests notebooks $(NBVAL)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests notebooks $(NBVAL)
 
 lint: $(STAMP)
 	$(PY) -m trainmech lint

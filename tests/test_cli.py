@@ -73,10 +73,12 @@ def test_run_refuses_bad_arguments_in_one_line(tmp_path, args, words):
         (["run", "-p", "SEED=abc"], ["SEED", "integer"]),
         (["run", "-p", "SEED=1", "-p", "SEED=2"], ["SEED", "twice"]),
         (["run", "-p", "SEED=" + "[" * 5000], ["SEED", "longer than 1000"]),
+        (["run", "--jobs", "0"], ["--jobs", "positive"]),
+        (["run", "--jobs", "two"], ["--jobs", "'two'"]),
     ],
     ids=["label-dot", "only", "param", "registry-label", "label-schema-file", "label-long", "label-partial",
          "timeout-nan", "timeout-inf", "timeout-negative", "timeout-word", "param-unknown", "param-keyword",
-         "param-builtin", "param-run-label", "param-inf", "param-word", "param-twice", "param-huge"],
+         "param-builtin", "param-run-label", "param-inf", "param-word", "param-twice", "param-huge", "jobs-zero", "jobs-word"],
 )
 def test_main_refuses_bad_arguments_in_one_line(capsys, args, words):
     """The same path in-process (fast): main() returns 2 and prints one `trainmech: error:` line."""
@@ -116,7 +118,8 @@ def test_run_help_describes_its_options(tmp_path):
     out = cli("run", "--help", tmp_path=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m trainmech run")
-    for word in ("--mode", "--label", "--only", "cpu", "TRAIN-CUDA-MECHANISM", "--timeout"):
+    for word in ("--mode", "--label", "--only", "cpu", "TRAIN-CUDA-MECHANISM", "--timeout", "--jobs", "--benchmark-jobs",
+                 ".partial", "merges", "Ctrl-C", "130 / 143"):
         assert word in out.stdout, word
 
 

@@ -21,6 +21,7 @@ trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanic
 Examples:
   python -m trainmech run                         # all notebooks, CPU mode, label "local"
   python -m trainmech run --only Task0 --label try1
+  python -m trainmech run --jobs 2                # two notebooks at once
   python -m trainmech run --mode TRAIN-CUDA-MECHANISM --label h200-2026-11-29
   python -m trainmech registry --label cpu-reference
   python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512
@@ -51,7 +52,8 @@ Where the results go:
                         executed copies are kept, the named notebooks' are replaced
   Ctrl-C or SIGTERM     the kernels are stopped, results/ is left exactly as it was
                         (exit 130 / 143)
-One run per label at a time; a second one is refused.
+One run per label at a time; a second one is refused. With --jobs N, N notebooks run at
+once (longest first); failures, timeouts, interruption and replacement behave as with one.
 """
 
 
@@ -71,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a variable the notebooks' parameters cell assigns, with a value of its default's type "
                           "(e.g. -p SEED=1); it goes to the notebooks that assign it. RUN_MODE and RUN_LABEL: use --mode and --label")
     run.add_argument("--timeout", type=float, default=1200.0, help="seconds one notebook may run before it is stopped and reported as timeout (default 1200)")
+    run.add_argument("--jobs", type=int, metavar="N", help="notebooks executed at once, each in its own kernel, longest "
+                     "first (by the label's last run.json); default: the usable cores (1 in TRAIN-CUDA-MECHANISM mode), "
+                     "lowered when the available memory would not hold that many kernels of the largest peak RSS the label's "
+                     "last run measured (2 GiB each before any). Results are the same as with --jobs 1")
+    run.add_argument("--benchmark-jobs", action="store_true", help="benchmark, writes nothing: run every notebook (CPU) with "
+                     "--jobs 1 and then --jobs N (default 2) into a throw-away folder and print both times, their ratio "
+                     "and whether the records and outputs agree apart from times")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
 
     reg = sub.add_parser("registry", help="print the registry table from a run's records", description="Render the experiment registry from the records of results/<label>/.")
@@ -101,8 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             from trainmech import runner
 
+            if args.benchmark_jobs:
+                runner.benchmark_jobs(args.jobs or 2, timeout=args.timeout)
+                return 0
             overrides = _parse_overrides(args.param)
-            return runner.run(args.mode, args.label, only=args.only, overrides=overrides, timeout=args.timeout, progress=not args.quiet)
+            return runner.run(args.mode, args.label, only=args.only, overrides=overrides, timeout=args.timeout,
+                              jobs=args.jobs, progress=not args.quiet)
         if args.command == "registry":
             return _registry(args.label)
         if args.command == "refresh":

@@ -17,75 +17,31 @@ A failing notebook does not stop the others. One run per label at a time (a lock
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import json
 import math
 import os
-import queue
 import re
 import shutil
-import signal
 import sys
-import threading
+import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import nbformat
 
-from trainmech import parameters, profiles, results, runfolder
+from trainmech import execution, parameters, profiles, results, runfolder
 from trainmech.errors import TrainmechError
+from trainmech.execution import Interrupted, Job, NotebookResult, Progress, Signals, task_key  # noqa: F401
 from trainmech.results import PARTIAL_SUFFIX, REPO_ROOT, RESULTS_ENV
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 RESULTS_ROOT = REPO_ROOT / "results"
 TASK_RE = re.compile(r"^Task(\d+)_[A-Za-z0-9_]+\.ipynb$")
 MAX_TIMEOUT = 7 * 24 * 3600.0
-STOP_GRACE = 10.0  # seconds to wait for killed kernels' threads before giving up on them
-POLL = 0.1  # seconds between the main thread's looks at deadlines, signals and progress
-
-
-class Interrupted(KeyboardInterrupt):
-    """The run was stopped by SIGINT or SIGTERM; nothing was written. exit_code: 128 + the signal."""
-
-    def __init__(self, signum: int):
-        self.signum, self.exit_code = signum, 128 + signum
-        super().__init__(signal.Signals(signum).name)
-
-
-@dataclass
-class NotebookResult:
-    notebook: str
-    status: str  # "ok" | "failed" | "timeout"
-    seconds: float
-    records: list[str] = field(default_factory=list)
-    error: dict[str, Any] | None = None
-    parameters: dict[str, Any] = field(default_factory=dict)  # the -p overrides it received
-
-
-@dataclass
-class Job:
-    """One notebook while it executes in a worker thread; the main thread watches it."""
-
-    path: Path
-    params: dict[str, Any]
-    out_path: Path
-    records_dir: Path
-    timeout: float
-    overrides: dict[str, Any] = field(default_factory=dict)
-    started: float = 0.0
-    cell: int | None = None  # index of the cell executing now
-    client: Any = None  # the nbclient.NotebookClient, once made
-    thread: threading.Thread | None = None
-    timed_out: bool = False
-    stopped: bool = False
-    outcome: tuple[str, dict | None] | None = None
-
-    @property
-    def stem(self) -> str:
-        return self.path.stem
 
 
 def discover(notebooks_dir: Path = NOTEBOOKS_DIR, only: list[str] | None = None) -> list[Path]:
@@ -135,190 +91,6 @@ def plan_overrides(notebooks: list[Path], overrides: dict[str, Any]) -> dict[str
     return planned
 
 
-def _first_error(nb: nbformat.NotebookNode) -> dict[str, Any] | None:
-    for i, cell in enumerate(nb.cells):
-        for out in cell.get("outputs", []):
-            if out.get("output_type") == "error":
-                return {"ename": out.get("ename"), "evalue": str(out.get("evalue"))[:500], "cell": i}
-    return None
-
-
-def _error(e: BaseException, cell: int | None = None) -> dict[str, Any]:
-    return {"ename": type(e).__name__, "evalue": str(e)[:500], "cell": cell}
-
-
-def execute_notebook(job: Job) -> tuple[str, dict | None]:
-    """Execute one notebook into job.out_path (in a worker thread); returns (status, error), never raises
-    for the notebook's errors. The kernel writes its records into job.records_dir."""
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
-
-    try:
-        nb = parameters.inject_parameters(nbformat.read(job.path, as_version=4), job.params)
-    except (ValueError, OSError) as e:  # no `parameters` cell (TrainmechError), or not a notebook
-        return "failed", _error(e)
-    job.client = NotebookClient(
-        nb,
-        kernel_name="python3",
-        timeout=None,  # the runner's watch enforces the notebook's time limit as a whole
-        record_timing=False,  # no execution timestamps: re-runs diff cleanly
-        resources={"metadata": {"path": str(job.path.parent)}},
-        on_cell_start=lambda cell, cell_index: setattr(job, "cell", cell_index),
-    )
-    status, error = "ok", None
-    try:
-        if job.stopped or job.timed_out:
-            raise RuntimeError("stopped before the kernel started")
-        # nbclient adds its own SIGINT / SIGTERM handlers only in the main thread: here it cannot
-        asyncio.run(job.client.async_execute(env={**os.environ, RESULTS_ENV: str(job.records_dir)}))
-    except CellExecutionError as e:
-        status, error = "failed", _first_error(nb) or _error(e)
-    except Exception as e:  # the kernel died or did not start, a malformed notebook, …: this notebook fails
-        status, error = "failed", _error(e, job.cell)
-    if job.timed_out:
-        limit = f"{job.timeout:g} s"
-        status, error = "timeout", {"ename": "Timeout", "evalue": f"the notebook ran past its limit of {limit}", "cell": job.cell}
-    if not job.stopped:
-        try:
-            nbformat.write(nb, job.out_path)
-        except OSError as e:
-            status, error = "failed", _error(e)
-    return status, error
-
-
-def _kill_kernel(job: Job) -> None:
-    """SIGKILL the job's kernel (and its process group) if it is running and not yet reaped."""
-    km = getattr(job.client, "km", None)
-    process = getattr(getattr(km, "provisioner", None), "process", None)
-    if process is None or process.poll() is not None:  # not started, or reaped: its pid may be another's now
-        return
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # jupyter_client starts kernels in a session of their own
-    except OSError:
-        with contextlib.suppress(OSError):
-            process.kill()
-
-
-class Signals:
-    """While installed, SIGINT and SIGTERM raise Interrupted in the main thread; once `holding`,
-    they are only noted (for the end of a run, and for the cleanup after the first one)."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.holding = False
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        self.received = self.received or signum
-        if not self.holding:
-            self.holding = True
-            raise Interrupted(signum)
-
-    @contextlib.contextmanager
-    def installed(self):
-        if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
-            yield self
-            return
-        previous = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-
-class Progress:
-    """One line per notebook as it starts and as it ends (stderr)."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total, self.done = enabled, total, 0
-
-    def write(self, text: str) -> None:
-        if self.enabled:
-            print(text, file=sys.stderr, flush=True)
-
-    def started(self, job: Job) -> None:
-        self.write(f"{job.stem:<28} started")
-
-    def finished(self, job: Job, result: NotebookResult) -> None:
-        self.done += 1
-        line = f"{result.notebook:<28} {result.status:<7} {result.seconds:7.1f} s  {len(result.records)} record(s)"
-        if result.error:
-            evalue = result.error["evalue"].splitlines()[0][:120] if result.error["evalue"] else ""
-            line += f"  {result.error['ename']}: {evalue}"
-        self.write(f"{line}  [{self.done}/{self.total}]")
-
-    def tick(self, running: list[Job]) -> None:
-        pass
-
-
-def execute_all(jobs: list[Job], n_jobs: int, progress: Progress, label: str) -> list[NotebookResult]:
-    """Run the jobs in n_jobs worker threads, in the given order; the calling thread enforces the time
-    limits and, on any exception (Interrupted), kills the kernels before it re-raises."""
-    pending, running, done = list(jobs), [], queue.Queue()
-
-    def work(job: Job) -> None:
-        try:
-            job.outcome = execute_notebook(job)
-        except BaseException as e:  # noqa: BLE001 - report anything to the main thread
-            job.outcome = ("failed", _error(e))
-        finally:
-            done.put(job)
-
-    out: dict[str, NotebookResult] = {}
-    try:
-        while pending or running:
-            while pending and len(running) < n_jobs:
-                job = pending.pop(0)
-                job.started = time.monotonic()
-                job.thread = threading.Thread(target=work, args=(job,), name=f"trainmech-{job.stem}", daemon=True)
-                running.append(job)
-                progress.started(job)
-                job.thread.start()
-            with contextlib.suppress(queue.Empty):
-                job = done.get(timeout=POLL)
-                running.remove(job)
-                out[job.stem] = _result(job, label)
-                progress.finished(job, out[job.stem])
-            now = time.monotonic()
-            for job in running:
-                job.timed_out = job.timed_out or now - job.started > job.timeout
-                if job.timed_out:
-                    _kill_kernel(job)  # again on every look: the kernel may have been starting
-            progress.tick(running)
-    except BaseException:
-        _stop(running)
-        raise
-    return [out[j.stem] for j in sorted(jobs, key=lambda j: _task_key(j.stem))]
-
-
-def _stop(running: list[Job]) -> None:
-    """Kill the running kernels and give their threads a moment to end."""
-    for job in running:
-        job.stopped = True
-    deadline = time.monotonic() + STOP_GRACE
-    while any(j.thread and j.thread.is_alive() for j in running) and time.monotonic() < deadline:
-        for job in running:
-            _kill_kernel(job)
-        time.sleep(POLL)
-
-
-def _result(job: Job, label: str) -> NotebookResult:
-    """The notebook's result: its outcome, its records (each validated: an invalid one fails it)."""
-    status, error = job.outcome or ("failed", None)
-    seconds = round(time.monotonic() - job.started, 2)
-    names = [p.name for p in results.record_paths(job.records_dir)]
-    _, invalid = results.read_run(job.records_dir, label)
-    if invalid and status == "ok":
-        name, reason = next(iter(sorted(invalid.items())))
-        status, error = "failed", {"ename": "InvalidRecord", "evalue": reason, "cell": None}
-    return NotebookResult(job.stem, status, seconds, names, error, job.overrides)
-
-
-def _task_key(stem: str) -> tuple[int, str]:
-    m = re.match(r"^Task(\d+)", stem)
-    return (int(m.group(1)) if m else 10**9, stem)
-
-
 def check_timeout(timeout: Any) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
             or not 0 < timeout <= MAX_TIMEOUT:
@@ -340,13 +112,15 @@ def run(
     only: list[str] | None = None,
     overrides: dict[str, Any] | None = None,
     timeout: float = 1200.0,
+    jobs: int | None = None,
     notebooks_dir: Path | None = None,
     results_root: Path | None = None,
     progress: bool = True,
 ) -> int:
-    """Execute the notebooks; returns the exit code (0: all ok and results/<label>/ replaced; 1: a notebook
-    failed or timed out and the run is in results/<label>.partial/). Bad input: TrainmechError, nothing written.
-    notebooks_dir / results_root default to NOTEBOOKS_DIR / RESULTS_ROOT."""
+    """Execute the notebooks, `jobs` kernels at once (default: see execution.choose_jobs); returns the exit
+    code (0: all ok and results/<label>/ replaced; 1: a notebook failed or timed out and the run is in
+    results/<label>.partial/). Bad input: TrainmechError, nothing written. notebooks_dir / results_root
+    default to NOTEBOOKS_DIR / RESULTS_ROOT."""
     profile = profiles.for_mode(run_mode)
     check_run_label(run_label)
     timeout = check_timeout(timeout)
@@ -361,13 +135,15 @@ def run(
         raise TrainmechError(f"no Task notebooks found in {notebooks_dir}")
     planned = plan_overrides(notebooks, overrides or {})
     root = Path(results_root or RESULTS_ROOT).absolute()
+    execution.choose_jobs(jobs, len(notebooks), profile.device, None)  # refuse a bad --jobs before writing
     check_destination(root, run_label, profile.run_mode, bool(only))  # refuse before writing anything
     signals = Signals()
     with signals.installed(), runfolder.label_lock(root, run_label):
         previous = check_destination(root, run_label, profile.run_mode, bool(only))  # again, under the lock
         staging = _new_staging(root, run_label)
         try:
-            return _run_in(staging, signals, profile, run_label, notebooks, planned, only, timeout, root, previous, progress)
+            return _run_in(staging, signals, profile, run_label, notebooks, planned, only, timeout, jobs, root,
+                           previous, progress)
         except BaseException:
             signals.holding = True  # a second Ctrl-C must not cut the cleanup short
             shutil.rmtree(staging, ignore_errors=True)
@@ -396,18 +172,26 @@ def _new_staging(root: Path, label: str) -> Path:
         raise TrainmechError(f"cannot write into {root} ({e.strerror}); no notebook was run") from None
 
 
-def _run_in(staging, signals, profile, run_label, notebooks, planned, only, timeout, root, previous, progress) -> int:
+def _run_in(staging, signals, profile, run_label, notebooks, planned, only, timeout, jobs, root, previous,
+            progress) -> int:
     """The run itself, built in staging, then moved to results/<label>/ or results/<label>.partial/."""
     target = root / run_label
+    last = previous or _last_summary(target)  # what the label's last run measured: times, memory
+    n_jobs, note = execution.choose_jobs(jobs, len(notebooks), profile.device, last)
+    order = notebooks if n_jobs == 1 else [
+        next(p for p in notebooks if p.stem == stem) for stem in execution.longest_first([p.stem for p in notebooks], last)]
     (staging / "notebooks").mkdir()
-    jobs = []
-    for path in notebooks:
+    work = []
+    for path in order:
         records_dir = staging / ".records" / path.stem
         records_dir.mkdir(parents=True)
         params = {"RUN_MODE": profile.run_mode, "RUN_LABEL": run_label, **planned[path.stem]}
-        jobs.append(Job(path, params, staging / "notebooks" / path.name, records_dir, timeout, planned[path.stem]))
+        work.append(Job(path, params, staging / "notebooks" / path.name, records_dir, timeout, planned[path.stem]))
+    show = Progress(progress, len(work))
+    if note:
+        show.write(note)
     started, t0 = datetime.now(timezone.utc), time.perf_counter()
-    outcomes = execute_all(jobs, 1, Progress(progress, len(jobs)), run_label)
+    outcomes = execution.execute_all(work, n_jobs, show, run_label)
     signals.holding = True  # from here the run is written whole or not at all
     if signals.received:
         raise Interrupted(signals.received)
@@ -423,6 +207,8 @@ def _run_in(staging, signals, profile, run_label, notebooks, planned, only, time
             "seconds": round(time.perf_counter() - t0, 2),
             "status": "ok" if all(e["status"] == "ok" for e in entries) else "failed",
             "only": [p.stem for p in notebooks] if only else None,
+            "jobs": n_jobs,
+            "peak_rss_sum_bytes": execution.peak_rss_sum(work),
             "python": sys.version.split()[0],
             "environment": _provenance(profile),
             "notebooks": entries,
@@ -446,6 +232,14 @@ def _run_in(staging, signals, profile, run_label, notebooks, planned, only, time
     return 0 if complete else 1
 
 
+def _last_summary(folder: Path) -> dict | None:
+    """The folder's run.json when readable (only to plan the next run), else None."""
+    try:
+        return runfolder.read_run_json(folder)
+    except TrainmechError:
+        return None
+
+
 def _assemble(staging: Path, target: Path, previous: dict | None, outcomes: list[NotebookResult]) -> list[dict]:
     """Move each notebook's records into staging (Task order: a later notebook's file wins, as when run one
     after another); with a previous run to merge into, keep its other notebooks' records and copies first.
@@ -466,7 +260,7 @@ def _assemble(staging: Path, target: Path, previous: dict | None, outcomes: list
         for name in o.records:
             os.replace(staging / ".records" / o.notebook / name, staging / name)
     shutil.rmtree(staging / ".records")
-    return [entries[k] for k in sorted(entries, key=_task_key)]
+    return [entries[k] for k in sorted(entries, key=task_key)]
 
 
 def _provenance(profile: profiles.Profile) -> dict[str, Any]:
@@ -498,8 +292,6 @@ def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[s
     against. Records go to a throw-away folder, never into results/. A notebook that fails is
     left unchanged on disk.
     """
-    import tempfile
-
     from nbclient import NotebookClient
 
     outcomes = []
@@ -513,8 +305,79 @@ def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[s
             try:
                 client.execute()
             except Exception as e:  # keep the committed copy when the run fails
-                outcomes.append((path.stem, "failed", _first_error(nb) or {"ename": type(e).__name__, "evalue": str(e)[:500]}))
+                outcomes.append((path.stem, "failed", execution.first_error(nb) or {"ename": type(e).__name__, "evalue": str(e)[:500]}))
                 continue
             nbformat.write(nb, path)
             outcomes.append((path.stem, "ok", None))
     return outcomes
+
+
+# ----------------------------------------------------------------------------- --jobs 1 beside --jobs N
+
+TIME_KEY = re.compile(r"(time|wait).*_s(_|$)")  # record fields holding seconds: step_time_median_s, h2d_wait_s, …
+VARIES = [(re.compile(r"\d+(\.\d+)?\s?(s|ms|µs|秒)\b"), "<TIME>"), (re.compile(r"0x[0-9a-fA-F]{6,}"), "<ADDRESS>")]
+# ^ what honestly varies in printed outputs: the sanitizers of tests/nbval_sanitize.cfg
+
+
+def _without_times(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: "<TIME>" if TIME_KEY.search(k) else _without_times(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_times(v) for v in value]
+    return value
+
+
+def _outputs(path: Path) -> list[str]:
+    """Every output of an executed notebook as text, with times and addresses masked."""
+    texts = []
+    for cell in nbformat.read(path, as_version=4).cells:
+        for out in cell.get("outputs", []):
+            text = json.dumps(out, sort_keys=True, ensure_ascii=False)
+            for pattern, mask in VARIES:
+                text = pattern.sub(mask, text)
+            texts.append(text)
+    return texts
+
+
+def compare_runs(a: Path, b: Path) -> list[str]:
+    """How two run folders differ apart from times: record files (fields holding seconds masked) and the
+    executed notebooks' outputs (times and addresses masked). Empty: they agree."""
+    out = []
+    names = sorted({p.name for p in results.record_paths(a)} | {p.name for p in results.record_paths(b)})
+    for name in names:
+        pa, pb = a / name, b / name
+        if not (pa.exists() and pb.exists()):
+            out.append(f"{name}: only in {(a if pa.exists() else b).name}")
+        elif _without_times(json.loads(pa.read_text(encoding="utf-8"))) != _without_times(json.loads(pb.read_text(encoding="utf-8"))):
+            out.append(f"{name}: differs beyond its times")
+    for pa in sorted((a / "notebooks").glob("*.ipynb")):
+        pb = b / "notebooks" / pa.name
+        if not pb.exists():
+            out.append(f"notebooks/{pa.name}: only in {a.name}")
+        elif _outputs(pa) != _outputs(pb):
+            n = sum(x != y for x, y in zip(_outputs(pa), _outputs(pb))) + abs(len(_outputs(pa)) - len(_outputs(pb)))
+            out.append(f"notebooks/{pa.name}: {n} output(s) differ beyond times")
+    return out
+
+
+def benchmark_jobs(jobs: int = 2, *, notebooks_dir: Path | None = None, timeout: float = 1200.0, out=print) -> float:
+    """Run every notebook in CPU mode with --jobs 1, then with --jobs N, into a throw-away results folder;
+    print both wall times, their ratio and whether records and outputs agree apart from times. Returns the ratio."""
+    seconds, folders = {}, {}
+    with tempfile.TemporaryDirectory(prefix="trainmech-benchmark-") as scratch:
+        for n in (1, jobs):
+            root = Path(scratch) / f"jobs-{n}"
+            t0 = time.perf_counter()
+            code = run("cpu", "benchmark", jobs=n, timeout=timeout, notebooks_dir=notebooks_dir, results_root=root, progress=False)
+            seconds[n] = time.perf_counter() - t0
+            folders[n] = root / ("benchmark" if code == 0 else f"benchmark{PARTIAL_SUFFIX}")
+            summary = json.loads((folders[n] / "run.json").read_text(encoding="utf-8"))
+            peak = summary.get("peak_rss_sum_bytes")
+            out(f"--jobs {summary['jobs']}: {seconds[n]:7.1f} s  {'all notebooks ok' if code == 0 else 'a notebook failed'}"
+                + (f"; kernels' peak RSS together {peak / 2**30:.2f} GiB" if peak else ""))
+        ratio = seconds[1] / seconds[jobs]
+        out(f"ratio (--jobs 1 time / --jobs {jobs} time): {ratio:.2f}")
+        differences = compare_runs(folders[1], folders[jobs])
+        out("records and executed outputs: identical apart from times" if not differences else
+            "records and executed outputs differ beyond times:\n  " + "\n  ".join(differences))
+    return ratio
