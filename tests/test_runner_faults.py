@@ -341,3 +341,15 @@ def test_benchmark_runs_both_and_compares(tmp_path):
     assert lines[0].startswith("--jobs 1: ") and lines[1].startswith("--jobs 2: ")
     assert lines[2].startswith("ratio (--jobs 1 time / --jobs 2 time): ")
     assert lines[3] == "records and executed outputs: identical apart from times"
+
+
+def test_executed_copies_join_the_chunks_of_a_print():
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    nb = new_notebook(cells=[new_code_cell("x", outputs=[
+        new_output("stream", name="stdout", text="a\n"), new_output("stream", name="stdout", text="b\n"),
+        new_output("stream", name="stderr", text="w\n"), new_output("stream", name="stdout", text="c\n"),
+        new_output("display_data", data={"text/plain": "fig"}), new_output("stream", name="stdout", text="d\n")])])
+    outputs = execution.merge_streams(nb).cells[0].outputs
+    assert [(o.output_type, o.get("text")) for o in outputs] == [
+        ("stream", "a\nb\n"), ("stream", "w\n"), ("stream", "c\n"), ("display_data", None), ("stream", "d\n")]

@@ -136,10 +136,26 @@ def execute_notebook(job: Job) -> tuple[str, dict | None]:
         status, error = "timeout", {"ename": "Timeout", "evalue": f"the notebook ran past its limit of {limit}", "cell": job.cell}
     if not job.stopped:
         try:
-            nbformat.write(nb, job.out_path)
+            nbformat.write(merge_streams(nb), job.out_path)
         except OSError as e:
             status, error = "failed", _error(e)
     return status, error
+
+
+def merge_streams(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Join consecutive stream outputs of the same name: how the kernel's prints arrive in chunks
+    depends on timing, the text they make does not."""
+    for cell in nb.cells:
+        merged = []
+        for out in cell.get("outputs", []):
+            if merged and out.get("output_type") == "stream" and merged[-1].get("output_type") == "stream" \
+                    and merged[-1].get("name") == out.get("name"):
+                merged[-1]["text"] += out["text"]
+            else:
+                merged.append(out)
+        if "outputs" in cell:
+            cell.outputs = merged
+    return nb
 
 
 def _kernel_process(job: Job) -> Any:
