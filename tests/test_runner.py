@@ -215,11 +215,17 @@ def test_a_complete_run_replaces_the_label_and_removes_the_partial_one(ok_run):
     assert [n["notebook"] for n in summary["notebooks"]] == ["Task0_a", "Task2_c"]
 
 
-def test_only_merges_into_the_label_and_keeps_the_other_notebooks(ok_run1, tmp_path):
+@pytest.fixture
+def ok_copy(ok_run1, tmp_path):
+    """A copy of ok_run1's results to run into: (notebooks dir, results root, the label's bytes)."""
     _, notebooks, root = ok_run1
     copy = tmp_path / "results"
     shutil.copytree(root, copy)
-    before = snapshot(copy / LABEL)
+    return notebooks, copy, snapshot(copy / LABEL)
+
+
+def test_only_merges_into_the_label_and_keeps_the_other_notebooks(ok_copy):
+    notebooks, copy, before = ok_copy
     assert run(notebooks, copy, only=["Task0"], overrides={"SEED": "7"}) == 0
     after = snapshot(copy / LABEL)
     for kept in (RECORDS["Task2_c"], "notebooks/Task2_c.ipynb"):
@@ -233,11 +239,8 @@ def test_only_merges_into_the_label_and_keeps_the_other_notebooks(ok_run1, tmp_p
     assert leftovers(copy) == []
 
 
-def test_a_failing_only_run_goes_to_partial_with_the_merged_view(ok_run1, tmp_path):
-    _, notebooks, root = ok_run1
-    copy = tmp_path / "results"
-    shutil.copytree(root, copy)
-    before = snapshot(copy / LABEL)
+def test_a_failing_only_run_goes_to_partial_with_the_merged_view(ok_copy):
+    notebooks, copy, before = ok_copy
     assert run(notebooks, copy, only=["Task0"], overrides={"FAIL": "True"}) == 1
     assert snapshot(copy / LABEL) == before
     partial = copy / f"{LABEL}.partial"

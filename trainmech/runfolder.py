@@ -1,7 +1,8 @@
 """The results folder of one run label: its lock, its staging folder and its replacement as a whole.
 
     with label_lock(root, label):                   # a second run of the label is refused meanwhile
-        staging = new_staging(root, label)          # results/.staging-<label>-<pid>/, stale ones removed
+        remove_stale(root, label)                   # staging left by runs that were killed
+        new_staging(staging)                        # results/.staging-<label>-<pid>/
         ...                                         # the run builds everything there
         replace_dir(staging, root / label)          # the old folder is swapped out whole, never half
 
@@ -83,11 +84,10 @@ def remove_stale(root: Path, label: str) -> list[str]:
     return removed
 
 
-def new_staging(root: Path, label: str) -> Path:
-    staging = root / f".staging-{label}-{os.getpid()}"
+def new_staging(staging: Path) -> None:
+    """An empty staging folder (results/.staging-<label>-<pid>: remove_stale knows it by that name)."""
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    return staging
 
 
 def check_target(target: Path) -> None:

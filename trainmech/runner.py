@@ -1,7 +1,8 @@
 """Headless execution of the Task notebooks with nbclient.
 
-`run(...)` executes the notebooks, each in its own kernel, with RUN_MODE / RUN_LABEL (and any
-`-p` overrides, see trainmech.parameters) injected after the cell tagged `parameters`. Everything
+`run(...)` executes the notebooks, each in its own kernel and `jobs` at once (trainmech.execution),
+with RUN_MODE / RUN_LABEL (and any `-p` overrides, see trainmech.parameters) injected after the
+cell tagged `parameters`. Everything
 of one run is built in a staging folder: executed notebooks under `notebooks/`, the records the
 notebooks write, `run.json` (per notebook: status, seconds, records, error) and `REGISTRY.md`.
 
@@ -140,8 +141,9 @@ def run(
     signals = Signals()
     with signals.installed(), runfolder.label_lock(root, run_label):
         previous = check_destination(root, run_label, profile.run_mode, bool(only))  # again, under the lock
-        staging = _new_staging(root, run_label)
+        staging = root / f".staging-{run_label}-{os.getpid()}"
         try:
+            _new_staging(root, run_label, staging)
             return _run_in(staging, signals, profile, run_label, notebooks, planned, only, timeout, jobs, root,
                            previous, progress)
         except BaseException:
@@ -164,10 +166,10 @@ def check_destination(root: Path, label: str, run_mode: str, merge: bool) -> dic
     return previous
 
 
-def _new_staging(root: Path, label: str) -> Path:
+def _new_staging(root: Path, label: str, staging: Path) -> None:
     runfolder.remove_stale(root, label)
     try:
-        return runfolder.new_staging(root, label)
+        runfolder.new_staging(staging)
     except OSError as e:
         raise TrainmechError(f"cannot write into {root} ({e.strerror}); no notebook was run") from None
 
