@@ -24,13 +24,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
-
-import nbformat
+from typing import TYPE_CHECKING, Any, TextIO
 
 from trainmech import parameters, results
 from trainmech.errors import TrainmechError
 from trainmech.results import RESULTS_ENV
+
+if TYPE_CHECKING:
+    import nbformat  # imported where used: it takes seconds
 
 STOP_GRACE = 10.0  # seconds to wait for killed kernels' threads before giving up on them
 POLL = 0.1  # seconds between the main thread's looks at deadlines, signals and progress
@@ -99,6 +100,7 @@ def _error(e: BaseException, cell: int | None = None) -> dict[str, Any]:
 def execute_notebook(job: Job) -> tuple[str, dict | None]:
     """Execute one notebook into job.out_path (in a worker thread); returns (status, error), never raises
     for the notebook's errors. The kernel writes its records into job.records_dir."""
+    import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 

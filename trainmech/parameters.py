@@ -17,11 +17,12 @@ import ast
 import keyword
 import math
 import re
-from typing import Any
-
-import nbformat
+from typing import TYPE_CHECKING, Any
 
 from trainmech.errors import TrainmechError
+
+if TYPE_CHECKING:
+    import nbformat  # imported where used: it takes seconds
 
 RESERVED = {"RUN_MODE": "--mode", "RUN_LABEL": "--label"}
 MAX_TEXT = 1000  # characters of one value
@@ -101,6 +102,8 @@ def parse_override(name: str, text: str, defaults: dict[str, Any]) -> Any:
 
 def inject_parameters(nb: nbformat.NotebookNode, params: dict[str, Any]) -> nbformat.NotebookNode:
     """Insert a cell tagged `injected-parameters` right after the `parameters` cell (papermill style)."""
+    import nbformat
+
     index = parameters_index(nb)
     source = "# Parameters injected by python -m trainmech run\n" + "".join(f"{k} = {v!r}\n" for k, v in params.items())
     cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})

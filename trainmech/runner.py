@@ -30,14 +30,15 @@ import time
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
-
-import nbformat
+from typing import TYPE_CHECKING, Any
 
 from trainmech import execution, parameters, profiles, results, runfolder
 from trainmech.errors import TrainmechError
 from trainmech.execution import Interrupted, Job, NotebookResult, Progress, Signals, task_key  # noqa: F401
 from trainmech.results import PARTIAL_SUFFIX, REPO_ROOT, RESULTS_ENV
+
+if TYPE_CHECKING:
+    import nbformat  # imported where used: it takes seconds, and a refused command needs none of it
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 RESULTS_ROOT = REPO_ROOT / "results"
@@ -68,6 +69,8 @@ inject_parameters = parameters.inject_parameters  # the runner's public name sin
 def plan_overrides(notebooks: list[Path], overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """{notebook stem: its typed overrides}: each override goes to the notebooks whose parameters
     cell assigns it; refused when no notebook of the run assigns it or a value has the wrong type."""
+    import nbformat
+
     texts = {parameters.check_name(k): v if isinstance(v, str) else repr(v) for k, v in overrides.items()}
     defaults = {}
     for path in notebooks:
@@ -294,6 +297,7 @@ def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[s
     against. Records go to a throw-away folder, never into results/. A notebook that fails is
     left unchanged on disk.
     """
+    import nbformat
     from nbclient import NotebookClient
 
     outcomes = []
@@ -331,6 +335,8 @@ def _without_times(value: Any) -> Any:
 
 def _outputs(path: Path) -> list[str]:
     """Every output of an executed notebook as text, with times and addresses masked."""
+    import nbformat
+
     texts = []
     for cell in nbformat.read(path, as_version=4).cells:
         for out in cell.get("outputs", []):
