@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 STOP_GRACE = 10.0  # seconds to wait for killed kernels' threads before giving up on them
 POLL = 0.1  # seconds between the main thread's looks at deadlines, signals and progress
 GiB = 1 << 30
-DEFAULT_KERNEL_BYTES = 2 * GiB  # a kernel's peak RSS before any run measured one (CPU mode: ~1 GiB)
+DEFAULT_KERNEL_BYTES = 2 * GiB  # a kernel's peak RSS before any run measured one (CPU mode: about 0.5 GiB)
 MEMORY_SHARE = 0.8  # of the available memory that kernels may fill
 
 
