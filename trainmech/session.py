@@ -23,7 +23,7 @@ import torch
 
 from trainmech import profiles, results, workload
 from trainmech.errors import TrainmechError
-from trainmech.results import REPO_ROOT, RESULTS_ENV  # noqa: F401  (their historical home)
+from trainmech.results import REPO_ROOT, RESULTS_ENV
 
 CPU_THREADS = 1  # intra-op threads of a CPU-mode session (see start)
 NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")  # variables that pick other CPU kernels or MKL code paths
