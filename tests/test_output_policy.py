@@ -60,7 +60,7 @@ def test_quantitative_claims_compare_value_and_limit(fn, value, limit, holds, ca
         fn(value, limit, "s")
         assert capsys.readouterr().out == "✓ s\n"
     else:
-        with pytest.raises(ClaimFailed, match="claim does not hold: s"):
+        with pytest.raises(ClaimFailed, match="结论不成立：s"):
             fn(value, limit, "s")
 
 

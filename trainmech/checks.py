@@ -27,12 +27,18 @@ from pathlib import Path
 
 import torch
 
+from trainmech.display import ShortTraceback
+
 _log_path: Path | None = None
 _logged = 0
 
 
-class ClaimFailed(AssertionError):
-    """A mechanism claim did not hold on this run."""
+class ClaimFailed(ShortTraceback, AssertionError):
+    """A mechanism claim did not hold on this run.
+
+    In a notebook it shows as one line, `ClaimFailed: 结论不成立：…`, and the notebook line that made
+    the claim — not the frames inside this module (trainmech.display.ShortTraceback).
+    """
 
 
 def log_checks_to(path: str | Path | None) -> None:
@@ -90,7 +96,7 @@ def claim(condition: bool, statement: str) -> None:
     holds = bool(condition)
     _log("claim", statement, holds)
     if not holds:
-        raise ClaimFailed(f"claim does not hold: {statement}")
+        raise ClaimFailed(f"结论不成立：{statement}")
     print(f"✓ {statement}")
 
 
@@ -100,7 +106,7 @@ def claim_at_most(value: float, limit: float, statement: str) -> None:
     holds = value <= limit
     _log("at_most", statement, holds, value, limit)
     if not holds:
-        raise ClaimFailed(f"claim does not hold: {statement} ({value:.3g} > {limit:.3g})")
+        raise ClaimFailed(f"结论不成立：{statement} ({value:.3g} > {limit:.3g})")
     print(f"✓ {statement}")
 
 
@@ -110,7 +116,7 @@ def claim_at_least(value: float, limit: float, statement: str) -> None:
     holds = value >= limit
     _log("at_least", statement, holds, value, limit)
     if not holds:
-        raise ClaimFailed(f"claim does not hold: {statement} ({value:.3g} < {limit:.3g})")
+        raise ClaimFailed(f"结论不成立：{statement} ({value:.3g} < {limit:.3g})")
     print(f"✓ {statement}")
 
 
