@@ -46,11 +46,13 @@ portability: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m trainmech lint
 
-# The project's Jupyter settings (.jupyter/: Markdown opens rendered, no news or update checks,
-# encrypted kernel connections) join the config path; the user's own ~/.jupyter still applies.
+# The browser opens Task0, and so does the printed address; the file browser reaches the whole
+# repository (results/, notebooks/reference/). The project's Jupyter settings (.jupyter/: Markdown
+# opens rendered, no news or update checks, encrypted kernel connections) join the config path;
+# the user's own ~/.jupyter still applies.
 lab: $(STAMP)
 	JUPYTER_CONFIG_PATH="$(CURDIR)/.jupyter$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" \
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(LAB_ROOT)" "$(LAB_ROOT)/notebooks/Task0_training_loop.ipynb" \
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(LAB_ROOT)" --LabApp.default_url=/lab/tree/notebooks/Task0_training_loop.ipynb \
 		$(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # CPython 3.12, Linux x86-64, binary wheels only, no dependencies resolved: the list is complete by itself.

@@ -86,7 +86,7 @@ def lab(tmp_path_factory):
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while not (opened := list((home / "runtime").glob("jpserver-file-to-run-*-open.html"))):
+        while not (opened := list((home / "runtime").glob("jpserver-[0-9]*-open.html"))):   # what the browser opens
             assert proc.poll() is None and time.monotonic() < deadline, f"make lab did not start:\n{log.read_text()[-3000:]}"
             time.sleep(0.3)
         url = re.search(r'href="([^"]+)"', opened[0].read_text()).group(1)
