@@ -234,6 +234,10 @@ def test_a_learner_session_in_jupyterlab(lab):
             step("reference page rendered")
             _shot(page, "6-reference-rendered")
 
+            # the file browser reaches the server's root, above notebooks/ (make lab serves the repository root)
+            page.locator(".jp-BreadCrumbs-home").click()
+            expect(page.locator(".jp-DirListing-item", has_text="notebooks")).to_have_count(1, timeout=10_000)
+
             # the project's settings: no news prompt, nothing fetched from outside
             assert page.get_by_text("official Jupyter news").count() == 0
             assert not remote, remote
