@@ -76,7 +76,8 @@ def lab(tmp_path_factory):
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
                JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    env.pop("JPY_SESSION_NAME", None)
+    for inherited in ("JPY_SESSION_NAME", "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):   # under `make test`, make lab is not a sub-make
+        env.pop(inherited, None)
     venv = Path(sys.executable).parent.parent
     port = _free_port()
     log = root / "lab.log"
