@@ -22,11 +22,12 @@ def _restore_fonts():
 
 
 def _render(fig) -> list[str]:
-    """Draw fig to PNG; the warnings drawing raised (matplotlib warns once per missing glyph)."""
+    """Draw fig to PNG; the warnings drawing raised (matplotlib warns once per missing glyph).
+    ResourceWarnings are left out: they come from whatever the garbage collector finalises meanwhile."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fig.savefig(io.BytesIO(), format="png")
-    return [str(w.message) for w in caught]
+    return [str(w.message) for w in caught if not issubclass(w.category, ResourceWarning)]
 
 
 def _figure_with(title: str):
