@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -109,14 +110,16 @@ def progress_mode() -> str:
     """How `progress` shows itself here: "bar", "text" or "off".
 
     "bar": a kernel that a Jupyter server started for a notebook (JupyterLab sets JPY_SESSION_NAME
-    for it; nbclient, the runner and nbval do not). "text": a terminal (stderr is a TTY). "off":
-    everything else — recorded outputs must not hold times or rates. TRAINMECH_PROGRESS overrides.
+    for it; nbclient, the runner and nbval do not), with ipywidgets installed. "text": a terminal
+    (stderr is a TTY). "off": everything else — recorded outputs must not hold times or rates.
+    TRAINMECH_PROGRESS overrides.
     """
     forced = os.environ.get(PROGRESS_ENV, "").strip().lower()
     if forced in ("bar", "text", "off"):
         return forced
     if os.environ.get("JPY_SESSION_NAME") and _in_kernel():
-        return "bar"
+        # the bar is an ipywidget (the `lab` extra); without it tqdm would print times into the cell
+        return "bar" if importlib.util.find_spec("ipywidgets") is not None else "off"
     stderr = sys.stderr
     if stderr is not None and not _in_kernel() and stderr.isatty():
         return "text"
