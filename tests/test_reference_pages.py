@@ -2,14 +2,14 @@
 
 Each page cites notebook cells in one machine-readable form, documented at the top of the page:
 
-    [Task3 · cell 27](../Task3_effective_updates.ipynb)
+    [Task3 · cell-27](../Task3_effective_updates.ipynb)
 
-K is the index into the notebook's ``cells`` list (0-based, markdown and code cells together). An
-inline code span that holds a check line (it starts with ``✓``, or ends in `` ok``, or says
-``bitwise equal``) quotes the committed output of the nearest cell reference before it on the same
-line; whitespace runs count as one space. So when a notebook changes, a page that cites it goes stale
-loudly: a missing notebook, a cell index past the end, or a quoted check line no longer printed there
-fails here. A placeholder ``（TaskN 页面完成后补充）`` is allowed only while that notebook is absent or
+`cell-27` is the cited cell's ``id`` in the notebook file: it stays with the cell when cells are
+inserted or removed around it. An inline code span that holds a check line (it starts or ends with
+``✓``, or says ``bitwise equal``) quotes the committed output of the nearest cell reference before it
+on the same line; whitespace runs count as one space. So when a notebook changes, a page that cites it
+goes stale loudly: a missing notebook, an id that is gone, or a quoted check line no longer printed
+there fails here. A placeholder ``（TaskN 页面完成后补充）`` is allowed only while that notebook is absent or
 has not been run (no code cell has an output); once it is committed with outputs, every page must cite
 it. Code spans naming ``trainmech.module.attr`` must name something the package defines (read with
 ``ast``, nothing is imported). The pages must also pass the glossary lint. Reads JSON only: fast.
@@ -33,8 +33,8 @@ REFERENCE = NOTEBOOKS / "reference"
 PAGES = ("formulas.md", "troubleshooting.md", "problem_chain.md")
 TASKS = range(7)  # Task0 … Task6
 
-REF = re.compile(r"\[Task(\d) · cell (\d+)\]\((\.\./(Task(\d)_[A-Za-z0-9_]+\.ipynb))\)")
-LOOSE_REF = re.compile(r"Task\d\s*·\s*cell\s*\d+")
+REF = re.compile(r"\[Task(\d) · ([A-Za-z0-9][A-Za-z0-9_-]*)\]\((\.\./(Task(\d)_[A-Za-z0-9_]+\.ipynb))\)")
+LOOSE_REF = re.compile(r"Task\d\s*·\s*cell[\s-]*\d+")
 CODE_SPAN = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)")
 PLACEHOLDER = re.compile(r"（Task(\d) 页面完成后补充）")
 PACKAGE_NAME = re.compile(r"trainmech(?:\.[A-Za-z_][A-Za-z0-9_]*)+(?:\(\))?")
@@ -45,7 +45,11 @@ def _collapse(text: str) -> str:
 
 
 def _is_check_line(span: str) -> bool:
-    return span.startswith("✓") or span.endswith(" ok") or "bitwise equal" in span
+    return span.startswith("✓") or span.endswith("✓") or "bitwise equal" in span
+
+
+def _cell(nb: dict, cell_id: str) -> dict | None:
+    return next((c for c in nb["cells"] if c.get("id") == cell_id), None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,7 +99,7 @@ def _spans(line: str) -> list[tuple[int, str]]:
 def test_page_documents_the_reference_form(page):
     text = _page(page)
     head = text[: text.find("\n## ")] if "\n## " in text else text
-    assert "[TaskN · cell K](../TaskN_" in head, f"{page}: the top of the page must document the cell-reference form"
+    assert "[TaskN · 单元格 id](../TaskN_" in head, f"{page}: the top of the page must document the cell-reference form"
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -110,15 +114,15 @@ def test_cell_references_point_at_existing_cells(page):
                 problems.append(f"line {lineno}: malformed cell reference {loose.group(0)!r}")
         for m in refs:
             count += 1
-            task, index, target, file_task = int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(5))
+            task, cell_id, target, file_task = int(m.group(1)), m.group(2), m.group(3), int(m.group(5))
             path = (REFERENCE / target).resolve()
             nb = _notebook(path)
             if task != file_task:
                 problems.append(f"line {lineno}: Task{task} label on {target}")
             elif nb is None:
                 problems.append(f"line {lineno}: {target} does not exist")
-            elif index >= len(nb["cells"]):
-                problems.append(f"line {lineno}: {target} has {len(nb['cells'])} cells, no cell {index}")
+            elif _cell(nb, cell_id) is None:
+                problems.append(f"line {lineno}: {target} has no cell with id {cell_id!r}")
     assert count > 0, f"{page} cites no cell"
     assert not problems, f"{page}:\n" + "\n".join(problems)
 
@@ -138,14 +142,14 @@ def test_quoted_check_lines_are_in_the_cited_cells_outputs(page):
                 continue
             ref = before[-1]
             nb = _notebook((REFERENCE / ref.group(3)).resolve())
-            index = int(ref.group(2))
-            if nb is None or index >= len(nb["cells"]):
+            cell_id = ref.group(2)
+            cell = _cell(nb, cell_id) if nb is not None else None
+            if cell is None:
                 continue  # reported by test_cell_references_point_at_existing_cells
-            cell = nb["cells"][index]
             if cell["cell_type"] != "code":
-                problems.append(f"line {lineno}: {ref.group(3)} cell {index} is {cell['cell_type']}, it prints nothing: {span!r}")
+                problems.append(f"line {lineno}: {ref.group(3)} {cell_id} is {cell['cell_type']}, it prints nothing: {span!r}")
             elif _collapse(span) not in _outputs(cell):
-                problems.append(f"line {lineno}: not in the outputs of {ref.group(3)} cell {index}: {span!r}")
+                problems.append(f"line {lineno}: not in the outputs of {ref.group(3)} {cell_id}: {span!r}")
     assert quoted > 0, f"{page} quotes no check line"
     assert not problems, f"{page}:\n" + "\n".join(problems)
 

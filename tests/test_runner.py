@@ -298,3 +298,43 @@ def test_bad_parameters_cells_and_invalid_records_fail_only_their_notebook(tmp_p
     assert "`TRAIN-OFFLOAD__x.json`" in md and (partial / "TRAIN-CHECKPOINT__bad.json").read_bytes() == b"\xff\xfe"
     assert leftovers(root) == [] and not (root / LABEL).exists()
 
+
+
+# ---------------------------------------------------------------- kernels on a bare Python (the GPU machine)
+
+
+def test_kernels_run_this_interpreter_and_import_this_checkout_and_go_on_past_errors(tmp_path, monkeypatch):
+    """No venv, no installed copy: the kernel is the runner's own interpreter and finds trainmech
+    through the PYTHONPATH the runner gives it; allow_errors runs every cell and still fails the notebook."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    cells = ["import sys, trainmech\nprint(sys.executable)\nprint(trainmech.__file__)",
+             'raise RuntimeError("first")', 'print("after the error")']
+    notebooks = tmp_path / "notebooks"
+    make_notebook(notebooks, "Task0_probe", cells)
+    code = runner.run("cpu", LABEL, notebooks_dir=notebooks, results_root=tmp_path / "r", progress=False, allow_errors=True)
+    partial = tmp_path / "r" / f"{LABEL}.partial"  # a failed notebook: the run is kept beside the label
+    nb = nbformat.read(partial / "notebooks" / "Task0_probe.ipynb", as_version=4)
+    executable, package = nb.cells[-3].outputs[0]["text"].split()
+    assert Path(executable).resolve() == Path(sys.executable).resolve()
+    assert Path(package).resolve() == (runner.REPO_ROOT / "trainmech" / "__init__.py").resolve()
+    assert nb.cells[-1].outputs[0]["text"] == "after the error\n"
+    assert code == 1 and run_json(partial)["notebooks"][0]["error"]["evalue"] == "first"
+    assert "PYTHONPATH" not in os.environ
+
+
+def test_a_run_keeps_each_notebooks_check_log(tmp_path):
+    """Sessions log every check to <results>/checks/<notebook>.jsonl (trainmech.checks); a run keeps them
+    beside the records, and --only keeps the other notebooks' logs."""
+    notebooks = tmp_path / "notebooks"
+    for stem in ("Task0_a", "Task1_b"):
+        make_notebook(notebooks, stem, [
+            "import os\nfrom pathlib import Path\n"
+            "log = Path(os.environ['TRAINMECH_RESULTS_DIR']) / 'checks' / f'{NOTEBOOK}.jsonl'\n"
+            "log.parent.mkdir(exist_ok=True)\nlog.write_text(f'{{\"seed\": {SEED}}}\\n')"],
+            parameters=f'RUN_MODE = "cpu"\nRUN_LABEL = "local"\nSEED = 0\nNOTEBOOK = {stem!r}')
+    root = tmp_path / "results"
+    assert run(notebooks, root) == 0
+    assert sorted(p.name for p in (root / LABEL / "checks").iterdir()) == ["Task0_a.jsonl", "Task1_b.jsonl"]
+    assert run(notebooks, root, only=["Task1"], overrides={"SEED": "4"}) == 0
+    logs = root / LABEL / "checks"
+    assert (logs / "Task0_a.jsonl").read_text() == '{"seed": 0}\n' and (logs / "Task1_b.jsonl").read_text() == '{"seed": 4}\n'

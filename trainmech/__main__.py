@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from trainmech.errors import OneLineParser, TrainmechError
@@ -17,6 +18,10 @@ trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanic
   refresh   re-execute the committed notebooks in place (maintainers, before committing)
   ledger    the training-state ledger: state bytes, peak phase and its composition for a model
             (see python -m trainmech ledger --help)
+  portability  run the notebooks under other numeric paths (SIMD width, BLAS code path) and
+            report output differences, claim margins and record drift (maintainers)
+  gpu-check run every CUDA-only branch once at small sizes and report (--dry-run: the plan and budget
+            on any machine; see python -m trainmech gpu-check --help)
 
 Examples:
   python -m trainmech run                         # all notebooks, CPU mode, label "local"
@@ -25,7 +30,16 @@ Examples:
   python -m trainmech run --mode TRAIN-CUDA-MECHANISM --label h200-2026-11-29
   python -m trainmech registry --label cpu-reference
   python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512
+  python -m trainmech gpu-check --dry-run
 """
+
+
+# Commands with a parser of their own: name -> (module with main(argv), one-line help).
+OWN_PARSERS = {
+    "ledger": ("trainmech.ledger", "the training-state ledger calculator (its own --help)"),
+    "portability": ("trainmech.portability", "outputs, margins and records under other numeric paths (its own --help)"),
+    "gpu-check": ("trainmech.gpucheck", "run every CUDA-only branch once and report (its own --help)"),
+}
 
 
 def _parse_overrides(items: list[str]) -> dict[str, str]:
@@ -61,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="python -m trainmech", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger,portability,gpu-check}")
 
     run = sub.add_parser("run", help="execute the notebooks headless", description=RUN_DESCRIPTION,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     ref = sub.add_parser("refresh", help="re-execute notebooks in place (maintainers)", description="Re-execute the committed notebooks with their default parameters (CPU) and store the outputs that nbval compares against.")
     ref.add_argument("--only", nargs="+", metavar="TaskN", help="refresh only these notebooks")
 
-    sub.add_parser("ledger", add_help=False, help="the training-state ledger calculator (its own --help)")
+    for name, (_, help_text) in OWN_PARSERS.items():
+        sub.add_parser(name, add_help=False, help=help_text)
 
     lint = sub.add_parser("lint", help="glossary and prose rules", description="Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.")
     lint.add_argument("--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first")
@@ -97,10 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["ledger"]:  # the calculator parses its own options
-        from trainmech import ledger
-
-        return ledger.main(argv[1:])
+    if argv[:1] and argv[0] in OWN_PARSERS:  # these commands parse their own options
+        return importlib.import_module(OWN_PARSERS[argv[0]][0]).main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

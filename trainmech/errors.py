@@ -1,14 +1,17 @@
 """The one exception type the package raises for bad input.
 
 Every refusal is a `TrainmechError` whose message is one sentence: what is wrong and what is
-valid. The command line prints that sentence and exits non-zero, without a traceback.
+valid. The command line prints that sentence and exits non-zero, without a traceback; a notebook
+shows it with the line of the notebook that caused it, without the package's frames.
 """
 
 import argparse
 import sys
 
+from trainmech.display import ShortTraceback
 
-class TrainmechError(ValueError):
+
+class TrainmechError(ShortTraceback, ValueError):
     """Bad input to trainmech: a wrong mode, label, profile, record or workload."""
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from trainmech import parameters, results
 from trainmech.errors import TrainmechError
-from trainmech.results import RESULTS_ENV
+from trainmech.results import REPO_ROOT, RESULTS_ENV
 
 if TYPE_CHECKING:
     import nbformat  # imported where used: it takes seconds
@@ -79,6 +79,7 @@ class Job:
     timed_out: bool = False
     stopped: bool = False
     outcome: tuple[str, dict | None] | None = None
+    allow_errors: bool = False  # go on past a failing cell (the notebook still fails, with its first error)
 
     @property
     def stem(self) -> str:
@@ -122,13 +123,16 @@ def execute_notebook(job: Job) -> tuple[str, dict | None]:
         resources={"metadata": {"path": str(job.path.parent)}},
         on_cell_start=cell_started,
         on_cell_complete=lambda cell, cell_index: _read_peak_rss(job),
+        allow_errors=job.allow_errors,
     )
     status, error = "ok", None
     try:
         if job.stopped or job.timed_out:
             raise RuntimeError("stopped before the kernel started")
         # nbclient adds its own SIGINT / SIGTERM handlers only in the main thread: here it cannot
-        asyncio.run(job.client.async_execute(env={**os.environ, RESULTS_ENV: str(job.records_dir)}))
+        asyncio.run(job.client.async_execute(env=kernel_env(job.records_dir)))
+        if job.allow_errors and first_error(nb):
+            status, error = "failed", first_error(nb)
     except CellExecutionError as e:
         status, error = "failed", first_error(nb) or _error(e)
     except Exception as e:  # the kernel died or did not start, a malformed notebook, …: this notebook fails
@@ -142,6 +146,13 @@ def execute_notebook(job: Job) -> tuple[str, dict | None]:
         except OSError as e:
             status, error = "failed", _error(e)
     return status, error
+
+
+def kernel_env(records_dir: Path) -> dict[str, str]:
+    """The environment of a kernel the runner starts: its records go to records_dir (RESULTS_ENV), and it
+    imports this checkout's trainmech (REPO_ROOT first on PYTHONPATH), whether or not a venv installed it."""
+    paths = [str(REPO_ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT))]
+    return {**os.environ, RESULTS_ENV: str(records_dir), "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def merge_streams(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:

@@ -39,6 +39,7 @@ from functools import partial
 import torch
 
 from trainmech import amp, strategies, supervision
+from trainmech.checks import num
 from trainmech.errors import TrainmechError
 from trainmech.measure import StorageTracker, cuda_peaks, reset_cuda_peaks, time_stats, timed
 from trainmech.update import wsd_multiplier
@@ -415,7 +416,7 @@ def gradients_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32") -> V
     if bad:
         return Verdict("gradients", False, evidence,
                        f"{len(bad)} of {len(errors)} parameters over {rtol:.0e}; worst {worst[0]} at {errors[worst[0]]:.1e}")
-    return Verdict("gradients", True, evidence, f"all {len(errors)} parameters within {rtol:.0e} ({claimed_dtype}); worst {errors[worst[0]]:.1e}")
+    return Verdict("gradients", True, evidence, f"all {len(errors)} parameters within {rtol:.0e} ({claimed_dtype})")
 
 
 def updates_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32", expected_lrs: list[float] | None = None) -> Verdict:
@@ -451,7 +452,7 @@ def quality_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32") -> Ver
     delta = abs(cand.held_out_loss - ref.held_out_loss)
     evidence = {"held_out_loss": cand.held_out_loss, "reference_held_out_loss": ref.held_out_loss, "delta": delta, "bound": bound}
     passed = delta <= bound
-    return Verdict("quality", passed, evidence, f"held-out loss {cand.held_out_loss:.4f} vs {ref.held_out_loss:.4f}: "
+    return Verdict("quality", passed, evidence, f"held-out loss {num(cand.held_out_loss)} vs {num(ref.held_out_loss)}: "
                    f"|Δ| {'≤' if passed else '>'} {bound:g} nats")
 
 

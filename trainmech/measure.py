@@ -7,6 +7,7 @@ into records and run.json, never printed into a notebook's compared outputs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -289,25 +290,30 @@ def _distinct_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> StepMemory:
+def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
+                         allocator: str | None = None) -> StepMemory:
     """Track one training step of a transformers causal LM and return its StepMemory.
 
     The step: loss = model(**batch, use_cache=False).loss; loss.backward(); optimizer.step();
     optimizer.zero_grad(set_to_none=True). Gradients must be None when it starts (set_to_none).
     Every p.grad is tagged "gradients" after the backward, every optimizer state tensor
-    "optimizer_states" after the update. On CUDA the allocator's peaks are read as well.
+    "optimizer_states" after the update. The allocator's peaks are read as well: on CUDA by
+    default; `allocator="cpu-profiler"` reads the CPU allocator's instead (see `allocator_window`),
+    so the same bookkeeping runs on a CPU.
     """
     params = list(model.parameters())
     if any(p.grad is not None for p in params):
         raise TrainmechError("training_step_memory needs p.grad = None before the step (zero_grad(set_to_none=True))")
     device = params[0].device
     baseline = {"parameters": _distinct_bytes(params), "optimizer_states": _distinct_bytes(_state_tensors(optimizer))}
-    reset_cuda_peaks(device)
-    at_start = cuda_allocated(device)
+    if allocator is None:
+        allocator = "cuda" if device.type == "cuda" else None
+    window = (allocator_window(device, allocator, assume_start_bytes=sum(baseline.values())) if allocator
+              else contextlib.nullcontext(None))
     tracker = StorageTracker()
     handles = phase_hooks(model, tracker)
     try:
-        with tracker:
+        with window as seen, tracker:
             loss = model(**batch, use_cache=False).loss
             tracker.phase = "backward.loss"
             loss.backward()
@@ -321,8 +327,11 @@ def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
     finally:
         for h in handles:
             h.remove()
-    outside = None if at_start is None else at_start - sum(baseline.values())
-    return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases, **cuda_peaks(device), outside_bytes=outside)
+    if seen is None:
+        return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases)
+    outside = seen.start_bytes - sum(baseline.values())  # what else was allocated: the batch, other tensors
+    return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases, seen.peak_bytes,
+                      seen.peak_reserved_bytes, outside)
 
 
 @contextmanager
@@ -355,26 +364,82 @@ def cuda_memory_history(device: torch.device, max_entries: int = 200_000):
     )
 
 
-def allocator_peak_cpu(fn: Callable[[], object]) -> int:
-    """Peak bytes the CPU allocator handed out while fn ran (torch.profiler's memory events).
+# ----------------------------------------------------------------------------- memory: the allocator's own count
+#
+# Two allocators keep a running total of the bytes they handed out: CUDA's caching allocator
+# (torch.cuda statistics, always on) and, while torch.profiler records memory, the CPU allocator
+# (its memory events carry the running total). `allocator_window` reads either with the same
+# bookkeeping, so a CPU test runs the arithmetic a GPU run relies on.
 
-    Counts every allocation, kernel-internal scratch included, relative to the start of fn.
-    The profiler's own start/stop lines on stderr are silenced for the duration.
+ALLOCATORS = ("cuda", "cpu-profiler")
+
+
+@dataclass
+class AllocatorWindow:
+    """What an allocator reported over a block (bytes). Filled when the block exits.
+
+    start_bytes: held when the block began; peak_bytes: the most held inside it; peak_reserved_bytes:
+    the most reserved from the device (CUDA: segments cached by the allocator; None on the CPU).
+    The CPU allocator is counted only while the profiler records, so there start_bytes is the
+    baseline the caller states (`assume_start_bytes`): what lived before is outside its view.
     """
+
+    source: str
+    start_bytes: int = 0
+    peak_bytes: int = 0
+    peak_reserved_bytes: int | None = None
+
+    @property
+    def peak_above_start(self) -> int:
+        return self.peak_bytes - self.start_bytes
+
+
+@contextmanager
+def allocator_window(device: torch.device, source: str | None = None, *, assume_start_bytes: int = 0):
+    """Yield an AllocatorWindow that holds the allocator's start and peak bytes once the block ends.
+
+    source: "cuda" (the default on a CUDA device) or "cpu-profiler" (the default elsewhere);
+    refuses a source the device cannot give. The profiler's start/stop lines on stderr are
+    silenced for the duration.
+    """
+    device = torch.device(device)
+    source = source or ("cuda" if device.type == "cuda" else "cpu-profiler")
+    if source not in ALLOCATORS:
+        raise TrainmechError(f"unknown allocator {source!r}; valid: {', '.join(ALLOCATORS)}")
+    if (source == "cuda") != (device.type == "cuda"):
+        raise TrainmechError(f"allocator {source!r} cannot count memory on a {device.type} device")
+    window = AllocatorWindow(source)
+    if source == "cuda":
+        reset_cuda_peaks(device)
+        window.start_bytes = cuda_allocated(device)
+        yield window
+        peaks = cuda_peaks(device)
+        window.peak_bytes, window.peak_reserved_bytes = peaks["peak_allocated_bytes"], peaks["peak_reserved_bytes"]
+        return
+    with _cpu_allocator_events() as totals:
+        yield window
+    window.start_bytes = assume_start_bytes
+    window.peak_bytes = assume_start_bytes + _running_peak(totals)
+
+
+@contextmanager
+def _cpu_allocator_events():
+    """Record the CPU allocator's memory events; yields a list filled on exit with
+    (time ns, total before the event, total after it)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
+    events: list[tuple[int, int, int]] = []
     sys.stderr.flush()
     saved_fd, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            fn()
+            yield events
     finally:
         os.dup2(saved_fd, 2)
         os.close(saved_fd)
         os.close(null)
-    events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
@@ -382,7 +447,21 @@ def allocator_peak_cpu(fn: Callable[[], object]) -> int:
         if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
             f = node.extra_fields
             events.append((node.start_time_ns, f.total_allocated - f.alloc_size, f.total_allocated))
+
+
+def _running_peak(events: list[tuple[int, int, int]]) -> int:
+    """The most the running total rose above where it stood at the first event."""
     if not events:
         return 0
     events.sort()
-    return max(total for _, _, total in events) - events[0][1]  # the allocator's running total, from fn's start
+    return max(total for _, _, total in events) - events[0][1]
+
+
+def allocator_peak_cpu(fn: Callable[[], object]) -> int:
+    """Peak bytes the CPU allocator handed out while fn ran (torch.profiler's memory events).
+
+    Counts every allocation, kernel-internal scratch included, relative to the start of fn.
+    """
+    with allocator_window(torch.device("cpu"), "cpu-profiler") as window:
+        fn()
+    return window.peak_above_start

@@ -2,7 +2,9 @@
 
 Each function returns a matplotlib Figure and closes it from pyplot's registry, so a notebook
 shows it exactly once by making it the cell's last expression. Labels use the glossary's English
-names (the code's vocabulary); the notebook's Chinese prose explains the picture.
+names (the code's vocabulary); the notebook's Chinese prose explains the picture. Importing this
+module configures an installed CJK font for Chinese text (trainmech.fonts; `fonts.label(zh, en)`
+falls back to English where the machine has none, so a figure never shows empty boxes).
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from __future__ import annotations
 import re
 
 import matplotlib.pyplot as plt
+
+from trainmech import fonts
+
+fonts.configure()
 
 
 def _figure(ncols: int, width: float = 4.2, height: float = 3.0):

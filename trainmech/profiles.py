@@ -141,3 +141,42 @@ def check_mode(run_mode: object) -> str:
     if run_mode not in MODES:
         raise TrainmechError(f"unknown run mode {run_mode!r}; valid: {', '.join(MODES)}")
     return run_mode  # type: ignore[return-value]
+
+
+def installed_versions(names) -> dict[str, str | None]:
+    """name -> the version this interpreter would import (Python's own for "python"); None if absent."""
+    import platform
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = platform.python_version() if name == "python" else metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def version_problems(profile: Profile, installed: dict[str, str | None] | None = None) -> list[str]:
+    """What in this environment does not satisfy the profile's [packages]: one line each, empty when all do.
+
+    `installed` (name -> version or None) defaults to what this interpreter sees.
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    installed = installed_versions(profile.packages) if installed is None else installed
+    problems = []
+    for name, spec in profile.packages.items():
+        version = installed.get(name)
+        if version is None:
+            problems.append(f"{name} is not installed ({profile.profile_id} wants {spec})")
+            continue
+        try:
+            ok = SpecifierSet(spec).contains(Version(version), prereleases=True)
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            problems.append(f"{name} {version} does not satisfy {spec} ({profile.profile_id})")
+    return problems
+

@@ -25,7 +25,7 @@ from typing import Any
 from trainmech import results
 from trainmech.errors import TrainmechError
 
-RUN_FILES = {"run.json", "REGISTRY.md", "notebooks"}  # besides record files: what a run writes into its folder
+RUN_FILES = {"run.json", "REGISTRY.md", "notebooks", "checks"}  # besides record files: what a run writes into its folder
 MAX_RUN_JSON_BYTES = 4 << 20
 
 

@@ -2,9 +2,9 @@
 
 `run(...)` executes the notebooks, each in its own kernel and `jobs` at once (trainmech.execution),
 with RUN_MODE / RUN_LABEL (and any `-p` overrides, see trainmech.parameters) injected after the
-cell tagged `parameters`. Everything
-of one run is built in a staging folder: executed notebooks under `notebooks/`, the records the
-notebooks write, `run.json` (per notebook: status, seconds, records, error) and `REGISTRY.md`.
+cell tagged `parameters`. Everything of one run is built in a staging folder: executed notebooks
+under `notebooks/`, the records and check logs (`checks/`) the notebooks write, `run.json` (per
+notebook: status, seconds, records, error) and `REGISTRY.md`.
 
 Where it goes at the end:
 - every notebook of the run succeeded: it replaces `results/<label>/` as a whole. With `only`,
@@ -14,6 +14,10 @@ Where it goes at the end:
 - SIGINT / SIGTERM: the kernels are killed, the staging folder is removed, nothing else changes,
   and `Interrupted` is raised (the command line exits 130 / 143).
 A failing notebook does not stop the others. One run per label at a time (a lock file).
+
+Kernels run the interpreter that runs the runner (ipykernel's own `python3` spec) and import this
+checkout's `trainmech` (its root goes first on their PYTHONPATH): no venv, no installed copy and
+no `jupyter` command are needed, so a bare Python with the packages on PYTHONPATH will do.
 """
 
 from __future__ import annotations
@@ -120,11 +124,13 @@ def run(
     notebooks_dir: Path | None = None,
     results_root: Path | None = None,
     progress: bool = True,
+    allow_errors: bool = False,
 ) -> int:
     """Execute the notebooks, `jobs` kernels at once (default: see execution.choose_jobs); returns the exit
     code (0: all ok and results/<label>/ replaced; 1: a notebook failed or timed out and the run is in
     results/<label>.partial/). Bad input: TrainmechError, nothing written. notebooks_dir / results_root
-    default to NOTEBOOKS_DIR / RESULTS_ROOT."""
+    default to NOTEBOOKS_DIR / RESULTS_ROOT. allow_errors: a notebook goes on past a failing cell
+    (gpu-check reads every cell's outcome); it is still "failed", with its first error."""
     profile = profiles.for_mode(run_mode)
     check_run_label(run_label)
     timeout = check_timeout(timeout)
@@ -148,7 +154,7 @@ def run(
         try:
             _new_staging(root, run_label, staging)
             return _run_in(staging, signals, profile, run_label, notebooks, planned, only, timeout, jobs, root,
-                           previous, progress)
+                           previous, progress, allow_errors)
         except BaseException:
             signals.holding = True  # a second Ctrl-C must not cut the cleanup short
             shutil.rmtree(staging, ignore_errors=True)
@@ -178,7 +184,7 @@ def _new_staging(root: Path, label: str, staging: Path) -> None:
 
 
 def _run_in(staging, signals, profile, run_label, notebooks, planned, only, timeout, jobs, root, previous,
-            progress) -> int:
+            progress, allow_errors) -> int:
     """The run itself, built in staging, then moved to results/<label>/ or results/<label>.partial/."""
     target = root / run_label
     last = previous or _last_summary(target)  # what the label's last run measured: times, memory
@@ -191,7 +197,8 @@ def _run_in(staging, signals, profile, run_label, notebooks, planned, only, time
         records_dir = staging / ".records" / path.stem
         records_dir.mkdir(parents=True)
         params = {"RUN_MODE": profile.run_mode, "RUN_LABEL": run_label, **planned[path.stem]}
-        work.append(Job(path, params, staging / "notebooks" / path.name, records_dir, timeout, planned[path.stem]))
+        work.append(Job(path, params, staging / "notebooks" / path.name, records_dir, timeout, planned[path.stem],
+                        allow_errors=allow_errors))
     show = Progress(progress, len(work))
     if note:
         show.write(note)
@@ -246,8 +253,9 @@ def _last_summary(folder: Path) -> dict | None:
 
 
 def _assemble(staging: Path, target: Path, previous: dict | None, outcomes: list[NotebookResult]) -> list[dict]:
-    """Move each notebook's records into staging (Task order: a later notebook's file wins, as when run one
-    after another); with a previous run to merge into, keep its other notebooks' records and copies first.
+    """Move each notebook's records and check log into staging (Task order: a later notebook's file wins, as
+    when run one after another); with a previous run to merge into, keep its other notebooks' records,
+    executed copies and check logs first.
     Returns run.json's notebook entries in Task order."""
     entries = {o.notebook: asdict(o) for o in outcomes}
     if previous is not None:
@@ -256,14 +264,20 @@ def _assemble(staging: Path, target: Path, previous: dict | None, outcomes: list
         for path in results.record_paths(target):
             if path.name not in dropped:
                 shutil.copy2(path, staging / path.name)
-        for path in sorted((target / "notebooks").glob("*.ipynb")):
-            if path.stem not in rerun:
-                shutil.copy2(path, staging / "notebooks" / path.name)
+        for kind, pattern in (("notebooks", "*.ipynb"), ("checks", "*.jsonl")):
+            for path in sorted((target / kind).glob(pattern)):
+                if path.stem not in rerun:
+                    (staging / kind).mkdir(exist_ok=True)
+                    shutil.copy2(path, staging / kind / path.name)
         for n in previous["notebooks"]:
             entries.setdefault(n["notebook"], n)
     for o in outcomes:
+        own = staging / ".records" / o.notebook
         for name in o.records:
-            os.replace(staging / ".records" / o.notebook / name, staging / name)
+            os.replace(own / name, staging / name)
+        for log in sorted((own / "checks").glob("*.jsonl")):  # each check the notebook ran (trainmech.checks)
+            (staging / "checks").mkdir(exist_ok=True)
+            os.replace(log, staging / "checks" / log.name)
     shutil.rmtree(staging / ".records")
     return [entries[k] for k in sorted(entries, key=task_key)]
 
@@ -278,16 +292,19 @@ def _provenance(profile: profiles.Profile) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def records_into(folder: str | Path):
-    """While inside, RESULTS_ENV points at folder: kernels started here write their records there."""
-    previous = os.environ.get(RESULTS_ENV)
-    os.environ[RESULTS_ENV] = str(folder)
+    """While inside, kernels started here by nbclient itself (refresh, portability) get the runner's
+    kernel environment (execution.kernel_env): records into folder, this checkout's trainmech."""
+    env = execution.kernel_env(Path(folder))
+    previous = {name: os.environ.get(name) for name in (RESULTS_ENV, "PYTHONPATH")}
+    os.environ.update({name: env[name] for name in previous})
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(RESULTS_ENV, None)
-        else:
-            os.environ[RESULTS_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[str, str, dict | None]]:

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from trainmech import profiles, results, workload
+from trainmech import checks, profiles, results, workload
 from trainmech.errors import TrainmechError
-from trainmech.results import REPO_ROOT, RESULTS_ENV
+from trainmech.results import REPO_ROOT, RESULTS_ENV  # noqa: F401  (re-exported: notebooks import them from here)
 
 CPU_THREADS = 1  # intra-op threads of a CPU-mode session (see start)
 NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")  # variables that pick other CPU kernels or MKL code paths
@@ -228,6 +228,10 @@ def start(
         torch.set_num_threads(CPU_THREADS)
     if results_dir is None:
         results_dir = os.environ.get(RESULTS_ENV) or REPO_ROOT / "results" / run_label
+    if notebook is not None:
+        # Each check of this notebook, with the value and limit it compared, beside the records:
+        # `python -m trainmech portability` reads these logs to measure margins across machines.
+        checks.log_checks_to(Path(results_dir) / "checks" / f"{notebook}.jsonl")
     return Session(
         run_mode=run_mode,
         run_label=run_label,

@@ -1,0 +1,420 @@
+"""The registry of CUDA-only branches and the checks that run them at small sizes.
+
+A `Branch` names the sites it covers (`scan` keys: `measure.cuda_peaks`, `Task5:cell-44`), says
+what only CUDA runs there and what chooses it, and either carries a `check` (package code) or is
+run by the notebook pass (a notebook cell). Each package check takes a `Probe` and runs on any
+device: on a GPU it takes the CUDA side, on a CPU the same logic with the CPU side chosen, so the
+CPU tests run every check before a GPU ever does. A check returns its one-line reason, or raises.
+
+To add a branch: write it, run `pytest tests/test_gpucheck.py` (it names the uncovered site), then
+add its key to a Branch's `covers` here — with a check that reaches it, or, for a notebook cell, a
+line in NOTEBOOK_CELLS.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainmech import ledger, measure, profiles, strategies, workload
+from trainmech.errors import TrainmechError
+
+
+class CheckFailed(AssertionError):
+    """A check's finding, in one line."""
+
+
+def require(condition: bool, reason: str) -> None:
+    if not condition:
+        raise CheckFailed(reason)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a check runs on: a device, the profile that goes with it, and a small model and batch."""
+
+    device: torch.device
+    mode: str
+    model_name: str
+    batch: int
+    seq: int
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> Probe:
+        """CUDA: the Qwen2.5-0.5B shape with 2 layers, b2 s64. CPU: the tiny CPU model, b2 s32."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            return cls(device, "TRAIN-CUDA-MECHANISM", "qwen2.5-0.5b-2layers", 2, 64)
+        return cls(device, "cpu", "qwen2-tiny", 2, 32)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def model(self, **kwargs) -> torch.nn.Module:
+        spec = profiles.for_mode(self.mode).model(self.model_name)
+        return workload.build_model(spec, seed=0, device=self.device, **kwargs).model
+
+    def lm_batch(self, batch: int | None = None, seq: int | None = None) -> dict[str, torch.Tensor]:
+        data = workload.lm_batch("domain", batch or self.batch, seq or self.seq)
+        return {k: v.to(self.device) for k, v in data.items()}
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worst_rel(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max(float((ours[n] - g).abs().max()) / max(float(g.abs().max()), 1e-30) for n, g in ref.items())
+
+
+def _fwd_bwd(model, batch, hooks=None) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with hooks if hooks is not None else nullcontext():
+        model(**batch, use_cache=False).loss.backward()
+    return _grads(model)
+
+
+def _same(probe: Probe, ours, ref) -> tuple[bool, str]:
+    """Bitwise on a CPU; within 1e-4 of each gradient's scale on CUDA (atomics reorder sums)."""
+    if not probe.cuda:
+        return all(torch.equal(ours[n], g) for n, g in ref.items()), "bitwise"
+    worst = _worst_rel(ours, ref)
+    return worst <= 1e-4, f"worst relative error {worst:.1e}"
+
+
+# ----------------------------------------------------------------------------- package checks
+
+
+def check_session(probe: Probe) -> str:
+    from trainmech import session
+
+    with tempfile.TemporaryDirectory() as scratch:
+        s = session.start(probe.mode, "gpu-check", page="gpu-check", results_dir=scratch)
+    env = s.environment
+    require(s.on_cuda == probe.cuda and env["device"] == str(s.device), f"session device {env['device']}, on_cuda={s.on_cuda}")
+    problems = profiles.version_problems(s.profile)
+    require(not problems, "; ".join(problems))
+    if probe.cuda:
+        require(bool(env["gpu"]) and bool(env["cuda"]) and env["gpu_memory_bytes"] > 0, f"environment lacks GPU facts: {env}")
+        return f"{env['device']}: {env['gpu']}, CUDA {env['cuda']}, {env['gpu_memory_bytes'] / 2**30:.0f} GiB; torch {env['torch']}, " \
+               f"transformers {env['transformers']} satisfy {s.profile.profile_id}"
+    require(env["gpu"] is None and env["cuda"] is None and env["gpu_memory_bytes"] is None, f"CPU session reports a GPU: {env}")
+    refused = []
+    for start in (lambda: session.start("TRAIN-CUDA-MECHANISM", "x"), _runner_cuda):
+        try:
+            start()
+        except TrainmechError as e:
+            refused.append("\n" not in str(e) and "CUDA" in str(e))
+    require(refused == [True, True], "the CUDA mode is not refused in one sentence on a machine without CUDA")
+    return f"cpu session without GPU facts; the CUDA mode refused in one sentence by session and runner; versions satisfy {s.profile.profile_id}"
+
+
+def _runner_cuda():
+    from trainmech import runner
+
+    runner.run("TRAIN-CUDA-MECHANISM", "x", progress=False)
+
+
+def check_timing_and_peaks(probe: Probe) -> str:
+    n = 32 << 20
+    _, seconds = measure.timed(lambda: torch.ones(n, dtype=torch.uint8, device=probe.device).sum(), probe.device)
+    require(seconds > 0, f"timed() returned {seconds} s")
+    with measure.allocator_window(probe.device) as window:
+        a = torch.ones(n, dtype=torch.uint8, device=probe.device)
+        b = torch.ones(2 * n, dtype=torch.uint8, device=probe.device)
+        del a, b
+    above = window.peak_above_start
+    require(3 * n <= above <= 3 * n + (2 << 20), f"{window.source}: peak {above:,} B above the start for 3 x {n:,} B alive at once")
+    peaks, allocated = measure.cuda_peaks(probe.device), measure.cuda_allocated(probe.device)
+    if probe.cuda:
+        require(peaks["peak_allocated_bytes"] >= window.start_bytes + 3 * n and allocated is not None,
+                f"cuda_peaks {peaks} below the window's {window.start_bytes + 3 * n:,} B")
+        require(peaks["peak_reserved_bytes"] >= peaks["peak_allocated_bytes"], f"reserved below allocated: {peaks}")
+    else:
+        require(set(peaks.values()) == {None} and allocated is None, f"CPU peaks must be None (unknown), got {peaks}, {allocated}")
+    return f"{window.source}: {above:,} B above the start for 3 x {n >> 20} MiB alive at once; timed {seconds * 1e3:.2f} ms"
+
+
+def check_step_memory(probe: Probe) -> str:
+    model = probe.model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = probe.lm_batch()
+    allocator = None if probe.cuda else "cpu-profiler"  # CPU: the CPU allocator's count, forced
+    ratios = []
+    for _ in ("first", "steady"):
+        step = measure.training_step_memory(model, optimizer, batch, allocator=allocator)
+        require(step.step_peak_allocated_bytes is not None, "no allocator peak over the step")
+        ratios.append(step.step_peak_allocated_bytes / step.peak_bytes)
+    low, high = (0.97, 1.5) if probe.cuda else (0.99, 1.01)
+    require(all(low <= r <= high for r in ratios), f"allocator / tracked peak {ratios[0]:.3f} (first), {ratios[1]:.3f} (steady), "
+                                                    f"outside [{low}, {high}]")
+    return f"allocator ({allocator or 'cuda'}) / tracked tensor peak: first {ratios[0]:.3f}, steady {ratios[1]:.3f}"
+
+
+def check_memory_history(probe: Probe) -> str:
+    with measure.cuda_memory_history(probe.device) as history:
+        x = torch.ones(4 << 20, device=probe.device)
+        y = x * 2
+        del x, y
+    if not probe.cuda:
+        require(history == {}, f"history off CUDA must stay empty, got {history}")
+        return "off CUDA the history stays empty"
+    require(history.get("alloc_events", 0) >= 2 and history.get("segments", 0) >= 1, f"history recorded {history}")
+    return f"{history['alloc_events']} alloc / {history['free_events']} free events, {history['segments']} segment(s), " \
+           f"{history['reserved_bytes']:,} B reserved"
+
+
+class _SdpaOps(TorchDispatchMode):
+    """The SDPA-family aten ops a forward dispatches, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if "scaled_dot_product" in name or name.startswith("bmm"):
+            self.names.add(name.split(".")[0])
+        elif name.startswith(("_softmax", "_safe_softmax", "softmax")):  # the attention's, not the loss's log_softmax
+            self.names.add("softmax")
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched_attention_kernel(model: torch.nn.Module, batch: dict) -> str:
+    """flash / efficient / cudnn / math: the SDPA kernel one forward of the model actually ran."""
+    ops = _SdpaOps()
+    with torch.no_grad(), ops:
+        model(**batch, use_cache=False)
+    for kernel in ("flash", "efficient", "cudnn"):
+        if any(n.startswith(f"_scaled_dot_product_{kernel}_attention") for n in ops.names):
+            return kernel
+    return "math" if {"bmm", "softmax"} <= ops.names else f"unknown ({', '.join(sorted(ops.names)) or 'no attention op'})"
+
+
+def check_ledger_on_device(probe: Probe) -> str:
+    first, steady = ledger.measure_point(probe.model_name, probe.batch, probe.seq, run_mode=probe.mode, seed=0)
+    shape = first.predicted.shape
+    assumed = ledger.attention_kernel(shape, "fp32", probe.device.type)
+    ran = dispatched_attention_kernel(probe.model(), probe.lm_batch())
+    errors = f"peak error first {first.error:+.1%}, steady {steady.error:+.1%}"
+    require(ran == assumed, f"the ledger assumes the {assumed} kernel for fp32 on {probe.device.type}, the forward ran {ran}; {errors}")
+    return f"kernel {ran} as the ledger assumes; foreach={probe.cuda}; {errors} (accuracy targets: issue 15)"
+
+
+def check_offload(probe: Probe) -> str:
+    model = probe.model()
+    batch = probe.lm_batch()
+    ref = _fwd_bwd(model, batch)
+    hidden = probe.batch * probe.seq * model.config.hidden_size * 4
+    hooks = strategies.ActivationOffload(probe.device, keep=model.parameters(), min_bytes=hidden // 4, prefetch_bytes=4 * hidden)
+    ours = _fwd_bwd(model, batch, hooks)
+    st = hooks.finish()
+    same, how = _same(probe, ours, ref)
+    require(same, f"gradients under ActivationOffload differ from the baseline ({how})")
+    require(st.d2h_bytes == st.h2d_bytes > 0 and st.prefetched > 0, f"transfer bookkeeping: {st}")
+    timed_ok = (st.transfer_s is not None and st.transfer_s > 0 and st.h2d_wait_s is not None) if probe.cuda else \
+        (st.transfer_s is None and st.h2d_wait_s is None)
+    require(timed_ok, f"transfer times {st.transfer_s} / {st.h2d_wait_s} on {probe.device.type}")
+    times = f", copies {st.transfer_s * 1e3:.2f} ms, H2D wait {st.h2d_wait_s * 1e3:.2f} ms" if probe.cuda else ""
+    return f"gradients equal ({how}); {st.offloaded} storages, {st.d2h_bytes:,} B each way, {st.prefetched} prefetched{times}"
+
+
+def check_save_on_cpu(probe: Probe) -> str:
+    model = probe.model()
+    batch = probe.lm_batch()
+    ref = _fwd_bwd(model, batch)
+    hooks = strategies.CountingSaveOnCpu(probe.device)
+    ours = _fwd_bwd(model, batch, hooks)
+    st = hooks.finish()
+    same, how = _same(probe, ours, ref)
+    require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
+    require(st.d2h_bytes == st.h2d_bytes > 0, f"bytes: {st}")
+    require((st.transfer_s is not None) == probe.cuda, f"transfer_s {st.transfer_s} on {probe.device.type}")
+    return f"gradients equal ({how}); {st.d2h_bytes:,} B each way" + (f", {st.transfer_s * 1e3:.2f} ms of copies" if probe.cuda else "")
+
+
+def check_gates(probe: Probe) -> str:
+    from trainmech import gates
+
+    gw = gates.gate_workload(probe.model(), rows=4, seq=probe.seq, micro_batches=2, attempts=3, warmup_updates=1, decay_updates=1)
+    reference = gates.Candidate("fp32-baseline", "TRAIN-AMP-BACKWARD")
+    ref_trace = gates.run_trace(reference, gw)
+    ref_perf = gates.measure(reference, gw, warmup=1, repeats=2)
+    report = gates.judge(gates.candidate("checkpoint", "TRAIN-CHECKPOINT", gates.checkpointing), gw, ref_trace, ref_perf,
+                         warmup=1, repeats=2)
+    require(report.failed_gate is None, f"the checkpoint candidate failed the {report.failed_gate} gate")
+    if probe.cuda:
+        require(report.decision in ("accept", "tune", "reject") and report.evidence_level == "gpu-measured",
+                f"decision {report.decision} ({report.evidence_level}): {report.reason}")
+    else:
+        require(report.decision is None and report.evidence_level == "cpu-mechanism", f"CPU decision {report.decision}")
+    return f"checkpoint candidate passes gates 1-4; decision {report.decision or 'null'} ({report.evidence_level}): {report.reason}"
+
+
+def check_rng_resume(probe: Probe) -> str:
+    from trainmech import update
+
+    model = probe.model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    _fwd_bwd(model, probe.lm_batch())
+    optimizer.step()
+    with tempfile.TemporaryDirectory() as folder:
+        update.save_training_state(folder, model=model, optimizer=optimizer, scaler=None, clock=update.UpdateClock(), data_position=7)
+        drawn = torch.rand(8, device=probe.device)
+        before = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        _, position = update.load_training_state(folder, model=model, optimizer=optimizer, scaler=None)
+        again = torch.rand(8, device=probe.device)
+    require(torch.equal(drawn, again), f"the {probe.device.type} RNG was not restored")
+    require(position == 7 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), "model or position not restored")
+    return f"parameters, optimizer and the {probe.device.type} RNG restored from safetensors"
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class Branch:
+    name: str
+    covers: tuple[str, ...]  # scan keys
+    cuda_side: str  # what runs only on CUDA, and what chooses it
+    check: Callable[[Probe], str] | None = None  # None: a notebook cell, run by the notebook pass
+    seconds: float = 2.0  # estimated on one H200 (small sizes)
+    known: str | None = None  # an open issue whose fix this branch waits for
+
+    @property
+    def notebook(self) -> str | None:
+        return self.covers[0].split(":")[0] if self.check is None else None
+
+
+PACKAGE = [
+    Branch("session", ("session.start", "session.capture_environment", "session.Session.on_cuda", "runner.run"),
+           "profile.device == 'cuda' picks cuda:<current>; the environment reads the GPU's name, memory and CUDA version; "
+           "versions checked against the profile", check_session, 2),
+    Branch("measure.timing", ("measure.timed", "measure.cuda_peaks", "measure.reset_cuda_peaks", "measure.cuda_allocated",
+                              "measure.allocator_window"),
+           "CUDA synchronises around timings and reads the caching allocator's statistics (the CPU: the profiler's)",
+           check_timing_and_peaks, 1),
+    Branch("measure.step_memory", ("measure.training_step_memory",),
+           "the allocator's peak over a tracked step beside the tracked tensor peak (CPU: the profiler's allocator, forced)",
+           check_step_memory, 4),
+    Branch("measure.history", ("measure.cuda_memory_history",),
+           "torch.cuda.memory._record_memory_history around the block, summarised from the snapshot", check_memory_history, 1),
+    Branch("ledger.cuda", ("ledger.attention_kernel", "ledger._update_states", "ledger.measure_point", "ledger.benchmark"),
+           "kernel choice: fp32 grouped-query attention falls back to math on CUDA (flash on CPU); foreach AdamW temporaries on CUDA",
+           check_ledger_on_device, 6),
+    Branch("strategies.offload", ("strategies.ActivationOffload.__init__", "strategies.ActivationOffload._to_host",
+                                  "strategies.ActivationOffload.unpack", "strategies.ActivationOffload._issue",
+                                  "strategies.ActivationOffload.finish"),
+           "pinned host buffers, a side stream, CUDA events for copy and wait times, record_stream", check_offload, 3),
+    Branch("strategies.save_on_cpu", ("strategies.CountingSaveOnCpu.__init__", "strategies.CountingSaveOnCpu._timed",
+                                      "strategies.CountingSaveOnCpu.finish"),
+           "torch's save_on_cpu with pinned memory, timed by CUDA events", check_save_on_cpu, 3),
+    Branch("gates.cuda", ("gates._rng_digest", "gates.Performance.on_gpu", "gates.measure", "gates.decide",
+                          "gates.performance_verdict"),
+           "the CUDA RNG in the inputs gate; empty_cache and allocator peaks in the performance stage; accept / tune / reject",
+           check_gates, 8),
+    Branch("update.rng", ("update._rng_state", "update._set_rng_state"),
+           "the CUDA generator's state saved into and restored from the checkpoint", check_rng_resume, 2),
+]
+
+# Not branches, though the scan sees a device string there: why each is no CUDA path.
+NOT_BRANCHES = {
+    "measure._cpu_allocator_events": "filters the CPU profiler's events to CPU ones; nothing runs on CUDA",
+    "execution.choose_jobs": "decides how many notebooks run at once (one in the CUDA mode); nothing runs on CUDA, "
+                             "tests/test_runner_faults.py covers both sides on a CPU",
+    "runner._provenance": "names run.json's intra-op thread count (CPU kernels pin one); nothing runs on CUDA",
+}
+
+# Notebook cells whose CUDA side only a CUDA-mode run executes (the notebook pass runs them).
+NOTEBOOK_CELLS = {
+    "Task0:cell-23": "the random model's loss ≈ ln V claim is checked on CPU only",
+    "Task2:cell-22": "SDPA's saved rows identified by storage on CPU only (a CUDA kernel may keep RNG state, padded lse)",
+    "Task2:cell-30": "the exact HF-vs-ours saved-bytes identity asserted on CPU only",
+    "Task2:cell-38": "the whole-model saved-bytes identity asserted on CPU only",
+    "Task3:cell-03": "3 warm-up + 20 timed windows on CUDA (1 + 3 on CPU)",
+    "Task3:cell-17": "accelerate's Accelerator(cpu=False): it prepares the model on the GPU",
+    "Task3:cell-19": "frees comparison copies, prints allocated / reserved peaks and the accumulation deltas",
+    "Task3:cell-23": "accelerate's fp16 really runs float16 Linear layers on CUDA (float32 on CPU)",
+    "Task3:cell-32": "prints FP16 vs FP32 peak and median",
+    "Task3:cell-46": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
+    "Task4:cell-03": "ledger.CUDA_POINTS instead of the CPU points",
+    "Task4:cell-17": "lifecycle bytes within 1 % instead of byte for byte",
+    "Task4:cell-26": "allocator peaks, reserved − allocated, the allocator history",
+    "Task4:cell-28": "allocated / reserved peaks into the record; measured_with torch.cuda.max_memory_allocated",
+    "Task4:cell-32": "the bf16 inventory on Qwen2.5-0.5B b1 s256 instead of the CPU workload",
+    "Task5:cell-05": "warm-up and timed updates, allocator peaks, the forward+backward probe; tolerances instead of bitwise",
+    "Task5:cell-09": "the baseline peak claim is CPU-only",
+    "Task5:cell-25": "RNG-preserving replay within GRAD_RTOL_CUDA instead of bitwise",
+    "Task5:cell-30": "transfer_s / h2d_wait_s from CUDA events",
+    "Task5:cell-35": "ledger-vs-measured peak claims are CPU-only",
+    "Task5:cell-37": "saved-bytes claims are CPU-only",
+    "Task5:cell-39": "the offload peak-phase claim is CPU-only",
+    "Task5:cell-44": "decisions from GPU peaks and medians; exposed transfer time; the timing table",
+    "Task5:cell-46": "records with allocator peaks and measured_with torch.cuda.max_memory_allocated",
+    "Task6:cell-03": "3 warm-up + 10 timed steps on CUDA; one CPU thread only on CPU",
+    "Task6:cell-17": "the FP16 margin claim is CPU-only",
+    "Task6:cell-29": "decisions accept / tune / reject from GPU measurements",
+    "Task6:cell-31": "allocator peaks and medians in the table; tracked-bytes claims CPU-only",
+    "Task6:cell-37": "records with allocator peaks; cpu_tracked_peak_bytes null",
+}
+
+# Kernel choices with no device test in the cell: the SDPA kernel follows the device and dtype
+# (fp32 grouped-query attention runs the math kernel on CUDA). Listed so gpu-check runs and reports
+# them; their fixes belong to the issues named.
+KERNEL_CHOICE_CELLS = {
+    "Task4:cell-09": ("layer_saved(...) defaults to the flash kernel; CUDA fp32 GQA runs math (1 % claim)", "issue 15"),
+    "Task4:cell-11": ("per-layer saved bytes against the flash inventory (same kernel choice)", "issue 15"),
+    "Task5:cell-19": ("saved_ops == 8·L assumes one fused SDPA op; the math kernel saves two bmm", "issue 16"),
+}
+
+
+def registry() -> list[Branch]:
+    """Every branch: package checks first, then the notebook cells in Task order."""
+    cells = [Branch(key, (key,), text) for key, text in NOTEBOOK_CELLS.items()]
+    cells += [Branch(key, (key,), f"kernel choice: {text}", known=issue) for key, (text, issue) in KERNEL_CHOICE_CELLS.items()]
+    order = lambda b: (int(b.name[4:].split(":")[0]), b.name)  # noqa: E731  (Task4:cell-09 -> 4)
+    return PACKAGE + sorted(cells, key=order)
+
+
+def covered() -> set[str]:
+    return {key for b in registry() for key in b.covers} | set(NOT_BRANCHES)
+
+
+def notebook_cells(notebook: str) -> list[Branch]:
+    return [b for b in registry() if b.notebook == notebook]
+
+
+def result_row(branch: Branch) -> dict:
+    """The report row of a branch before it runs."""
+    return {"name": branch.name, "covers": list(branch.covers), "cuda_side": branch.cuda_side, "known": branch.known,
+            "seconds": None, "device_memory_used_peak_bytes": None, "device_memory_used_at_start_bytes": None}
+
+
+def with_expectation(row: dict) -> dict:
+    """A failure its `known` issue expects becomes "expected"; a pass there says the fix may have landed."""
+    if row.get("known") and row["status"] == "failed":
+        row["status"] = "expected"
+        row["reason"] = f"expected until {row['known']}: {row['reason']}"
+    elif row.get("known") and row["status"] == "ok":
+        row["reason"] += f" (passes: {row['known']} may have fixed it)"
+    return row
+
+
+def repo_path(key: str) -> Path:
+    """The file a registry key lives in (for messages)."""
+    from trainmech.gpucheck.scan import NOTEBOOKS_DIR, PACKAGE_DIR
+
+    if ":" in key:
+        task = key.split(":")[0]
+        return next(NOTEBOOKS_DIR.glob(f"{task}_*.ipynb"), NOTEBOOKS_DIR / f"{task}.ipynb")
+    return PACKAGE_DIR / (key.split(".")[0] + ".py")
