@@ -212,29 +212,28 @@ def test_count_tokens_reads_every_micro_batch_after_the_shift():
     assert supervision.count_tokens([]) == ()
 
 
+def _window_and_grads(model, micro, **options):
+    """(Window, every parameter's .grad) of one accumulation window from zeroed gradients."""
+    model.zero_grad(set_to_none=True)
+    window = supervision.accumulate_gradients(model, micro, **options)
+    return window, [p.grad.clone() for p in model.parameters()]
+
+
 def test_precounted_tokens_give_the_same_window_and_the_loss_stays_a_float64_tensor():
-    micro = workload.split_micro_batches(_uneven(), 2)
-    model = ToyLM()
-    model.zero_grad(set_to_none=True)
-    counted_here = supervision.accumulate_gradients(model, micro)
-    g_here = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    precounted = supervision.accumulate_gradients(model, micro, micro_tokens=supervision.count_tokens(micro))
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), g_here))
+    micro, model = workload.split_micro_batches(_uneven(), 2), ToyLM()
+    counted_here, g_here = _window_and_grads(model, micro)
+    precounted, g_pre = _window_and_grads(model, micro, micro_tokens=supervision.count_tokens(micro))
+    assert all(torch.equal(a, b) for a, b in zip(g_pre, g_here))
     assert torch.equal(precounted.loss, counted_here.loss)
     assert precounted.loss.dtype == torch.float64 and precounted.loss.dim() == 0
 
 
 def test_scale_multiplies_the_gradient_not_the_returned_loss():
-    micro = workload.split_micro_batches(_uneven(), 2)
-    model = ToyLM()
-    model.zero_grad(set_to_none=True)
-    plain = supervision.accumulate_gradients(model, micro)
-    g = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    scaled = supervision.accumulate_gradients(model, micro, scale=lambda loss: loss * 8.0)
+    micro, model = workload.split_micro_batches(_uneven(), 2), ToyLM()
+    plain, g = _window_and_grads(model, micro)
+    scaled, g_scaled = _window_and_grads(model, micro, scale=lambda loss: loss * 8.0)
     assert torch.equal(scaled.loss, plain.loss)
-    assert all(torch.allclose(p.grad, 8.0 * q, rtol=1e-15, atol=0) for p, q in zip(model.parameters(), g))
+    assert all(torch.allclose(a, 8.0 * b, rtol=1e-15, atol=0) for a, b in zip(g_scaled, g))
 
 
 def test_autocast_wraps_each_forward_and_contexts_wrap_each_micro_batch():
