@@ -134,13 +134,24 @@ def window_micro_mean(model, micro_batches):
 
 
 def window_unshifted(model, micro_batches):
-    N = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)  # counted before the causal shift
+    N, total = 0, 0.0
+    for mb in micro_batches:
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum")
+        loss.backward()
+        N += int((mb["labels"] != -100).sum())  # counted before the causal shift
+        total += loss.item()
+    for p in model.parameters():
+        p.grad.div_(N)
+    return total / N
+
+
+def window_never_divided(model, micro_batches):
     total = 0.0
     for mb in micro_batches:
         logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(),
-                               ignore_index=-100, reduction="sum") / N
-        loss.backward()
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum")
+        loss.backward()  # the sum's gradient, never divided by N
         total += loss.item()
     return total
 
@@ -283,7 +294,8 @@ WRONG = {
     "task2.rms_norm_backward": [(rms_no_term2, "漏了第二项"), (rms_dw_mean, "取了平均")],
     "task2.attention_backward": [(attention_group_mean, "取了平均"), (attention_no_scale, "缩放"), (attention_no_group_sum, "要相加")],
     "task2.cross_entropy_backward": [(ce_divide_by_N, "有效行数")],
-    "task3.accumulate_window": [(window_micro_mean, "micro_mean"), (window_unshifted, "没有错位")],
+    "task3.streaming_window": [(window_micro_mean, "micro_mean"), (window_unshifted, "没有错位"),
+                              (window_never_divided, "没有把 .grad 除以 N")],
     "task3.scheduled_lrs": [(lrs_every_attempt, "被跳过的更新也推进了它"), (lrs_logged_attempts, "有效更新次数")],
     "task4.layer_saved_bytes": [(layer_no_logsumexp, "sdpa_logsumexp"), (layer_with_probs, "s×s")],
     "task4.gradient_lifecycle": [(grads_released_at_optimizer, "zero_grad"), (grads_tied_head_in_head_phase, "backward.embed")],
@@ -354,7 +366,7 @@ def test_a_check_leaves_the_global_rng_alone():
     torch.manual_seed(123)
     before = torch.get_rng_state()
     run_check("task5.checkpoint", S.my_checkpoint)
-    run_check("task3.accumulate_window", _stub)
+    run_check("task3.streaming_window", _stub)
     assert torch.equal(torch.get_rng_state(), before)
 
 
