@@ -22,6 +22,7 @@ trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanic
             report output differences, claim margins and record drift (maintainers)
   gpu-check run every CUDA-only branch once at small sizes and report (--dry-run: the plan and budget
             on any machine; see python -m trainmech gpu-check --help)
+  twins     write (or --check) the notebooks' text twins in notebooks/text/, code and prose for diffs
 
 Examples:
   python -m trainmech run                         # all notebooks, CPU mode, label "local"
@@ -39,6 +40,7 @@ OWN_PARSERS = {
     "ledger": ("trainmech.ledger", "the training-state ledger calculator (its own --help)"),
     "portability": ("trainmech.portability", "outputs, margins and records under other numeric paths (its own --help)"),
     "gpu-check": ("trainmech.gpucheck", "run every CUDA-only branch once and report (its own --help)"),
+    "twins": ("trainmech.twins", "write or check the notebooks' text twins, notebooks/text/*.md (its own --help)"),
 }
 
 
