@@ -98,11 +98,27 @@ def _error(e: BaseException, cell: int | None = None) -> dict[str, Any]:
     return {"ename": type(e).__name__, "evalue": str(e)[:500], "cell": cell}
 
 
+def notebook_client(nb: Any, path: Path, **options: Any) -> Any:
+    """The nbclient client every headless execution uses (runner, refresh, portability): the
+    notebook runs from its own folder with no execution timestamps, and its kernel talks over
+    encrypted sockets (CurveZMQ), as the project's .jupyter/ settings give JupyterLab's kernels."""
+    from nbclient import NotebookClient
+    from traitlets.config import Config
+
+    return NotebookClient(
+        nb,
+        config=Config({"KernelManager": {"transport_encryption": "auto"}}),
+        kernel_name="python3",
+        record_timing=False,  # no execution timestamps: re-runs diff cleanly
+        resources={"metadata": {"path": str(Path(path).parent)}},
+        **options,
+    )
+
+
 def execute_notebook(job: Job) -> tuple[str, dict | None]:
     """Execute one notebook into job.out_path (in a worker thread); returns (status, error), never raises
     for the notebook's errors. The kernel writes its records into job.records_dir."""
     import nbformat
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
     try:
@@ -115,12 +131,10 @@ def execute_notebook(job: Job) -> tuple[str, dict | None]:
         job.cell = cell_index
         _read_peak_rss(job)
 
-    job.client = NotebookClient(
+    job.client = notebook_client(
         nb,
-        kernel_name="python3",
+        job.path,
         timeout=None,  # the runner's watch enforces the notebook's time limit as a whole
-        record_timing=False,  # no execution timestamps: re-runs diff cleanly
-        resources={"metadata": {"path": str(job.path.parent)}},
         on_cell_start=cell_started,
         on_cell_complete=lambda cell, cell_index: _read_peak_rss(job),
         allow_errors=job.allow_errors,

@@ -315,16 +315,12 @@ def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[s
     left unchanged on disk.
     """
     import nbformat
-    from nbclient import NotebookClient
 
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="trainmech-refresh-") as scratch, records_into(scratch):
         for path in paths:
             nb = nbformat.read(path, as_version=4)
-            client = NotebookClient(
-                nb, timeout=int(timeout), kernel_name="python3", record_timing=False,
-                resources={"metadata": {"path": str(path.parent)}},
-            )
+            client = execution.notebook_client(nb, path, timeout=int(timeout))
             try:
                 client.execute()
             except Exception as e:  # keep the committed copy when the run fails
