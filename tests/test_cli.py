@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,8 +58,27 @@ def test_run_refuses_bad_arguments_in_one_line(tmp_path, args, words):
         (["run", "--only", "Task99"], ["Task99", "Task0"]),
         (["run", "-p", "no-equals-sign"], ["NAME=VALUE"]),
         (["registry", "--label", "../x"], ["../x"]),
+        (["run", "--label", "record.schema.json"], ["results/record.schema.json", "not a run folder"]),
+        (["run", "--label", "x" * 250], ["1 to 100"]),
+        (["run", "--label", "cpu-reference.partial"], [".partial"]),
+        (["run", "--timeout", "nan"], ["--timeout", "nan"]),
+        (["run", "--timeout", "inf"], ["--timeout", "inf"]),
+        (["run", "--timeout", "-5"], ["--timeout", "-5"]),
+        (["run", "--timeout", "abc"], ["--timeout", "abc"]),
+        (["run", "-p", "SEQ=64", "--only", "Task0"], ["SEQ", "no notebook", "SEED"]),
+        (["run", "-p", "class=1"], ["'class'"]),
+        (["run", "-p", "print=None"], ["print", "no notebook"]),
+        (["run", "-p", "RUN_LABEL=other"], ["RUN_LABEL", "--label"]),
+        (["run", "-p", "SEED=1e999"], ["SEED", "finite"]),
+        (["run", "-p", "SEED=abc"], ["SEED", "integer"]),
+        (["run", "-p", "SEED=1", "-p", "SEED=2"], ["SEED", "twice"]),
+        (["run", "-p", "SEED=" + "[" * 5000], ["SEED", "longer than 1000"]),
+        (["run", "--jobs", "0"], ["--jobs", "positive"]),
+        (["run", "--jobs", "two"], ["--jobs", "'two'"]),
     ],
-    ids=["label-dot", "only", "param", "registry-label"],
+    ids=["label-dot", "only", "param", "registry-label", "label-schema-file", "label-long", "label-partial",
+         "timeout-nan", "timeout-inf", "timeout-negative", "timeout-word", "param-unknown", "param-keyword",
+         "param-builtin", "param-run-label", "param-inf", "param-word", "param-twice", "param-huge", "jobs-zero", "jobs-word"],
 )
 def test_main_refuses_bad_arguments_in_one_line(capsys, args, words):
     """The same path in-process (fast): main() returns 2 and prints one `trainmech: error:` line."""
@@ -98,7 +118,8 @@ def test_run_help_describes_its_options(tmp_path):
     out = cli("run", "--help", tmp_path=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m trainmech run")
-    for word in ("--mode", "--label", "--only", "cpu", "TRAIN-CUDA-MECHANISM", "--timeout"):
+    for word in ("--mode", "--label", "--only", "cpu", "TRAIN-CUDA-MECHANISM", "--timeout", "--jobs", "--benchmark-jobs",
+                 ".partial", "merges", "Ctrl-C", "130 / 143"):
         assert word in out.stdout, word
 
 
@@ -120,3 +141,30 @@ def test_unknown_command_is_an_argparse_error(tmp_path):
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert "invalid choice" in out.stderr
+
+
+def test_registry_without_a_results_folder_is_one_line(capsys, monkeypatch, tmp_path):
+    from trainmech import runner
+    from trainmech.__main__ import main
+
+    monkeypatch.setattr(runner, "RESULTS_ROOT", tmp_path / "absent")
+    assert main(["registry", "--label", "cpu-reference"]) == 2
+    err = capsys.readouterr().err
+    assert err == "trainmech: error: no run labelled 'cpu-reference' under results/; present: none\n"
+
+
+def test_registry_lists_invalid_records_and_exits_1(capsys, monkeypatch, tmp_path):
+    from trainmech import runner
+    from trainmech.__main__ import main
+
+    run = tmp_path / "mine"
+    shutil.copytree(REPO / "results" / "cpu-reference", run, ignore=shutil.ignore_patterns("notebooks"))
+    for path in run.glob("*__*.json"):  # the committed records, relabelled as this run's
+        path.write_text(path.read_text(encoding="utf-8").replace('"cpu-reference"', '"mine"'), encoding="utf-8")
+    (run / "TRAIN-LOOP__cpu-loop.json").write_bytes(b"[" * 100_000)
+    monkeypatch.setattr(runner, "RESULTS_ROOT", tmp_path)
+    assert main(["registry", "--label", "mine"]) == 1
+    out = capsys.readouterr().out
+    assert "| TRAIN-LOOP / " in out and "no record" in out.split("| TRAIN-LOOP / ")[1].splitlines()[0]
+    assert "cpu-mechanism" in out.split("| TRAIN-CHECKPOINT / ")[1].splitlines()[0]  # the valid records still count
+    assert out.rstrip().endswith("`TRAIN-LOOP__cpu-loop.json`: record TRAIN-LOOP__cpu-loop.json is not readable JSON (nested too deeply)")

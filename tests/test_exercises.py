@@ -45,6 +45,17 @@ def sgd_no_decay(theta, grad, buf, *, lr, momentum, weight_decay):
     return S.sgd_momentum_update(theta, grad, buf, lr=lr, momentum=momentum, weight_decay=0.0)
 
 
+def sgd_decay_outside_momentum(theta, grad, buf, *, lr, momentum, weight_decay):
+    buf = grad.clone() if buf is None else momentum * buf + grad   # the momentum never sees λθ
+    return theta - lr * (buf + weight_decay * theta), buf
+
+
+def sgd_in_place(theta, grad, buf, *, lr, momentum, weight_decay):
+    grad.add_(theta, alpha=weight_decay)                           # right values, written into the inputs
+    buf = grad if buf is None else buf.mul_(momentum).add_(grad)
+    return theta.sub_(lr * buf), buf
+
+
 def adamw_coupled(theta0, grad, *, lr, weight_decay, eps):
     g = grad + weight_decay * theta0
     return theta0 - lr * g / (g.abs() + eps)
@@ -123,13 +134,24 @@ def window_micro_mean(model, micro_batches):
 
 
 def window_unshifted(model, micro_batches):
-    N = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)  # counted before the causal shift
+    N, total = 0, 0.0
+    for mb in micro_batches:
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum")
+        loss.backward()
+        N += int((mb["labels"] != -100).sum())  # counted before the causal shift
+        total += loss.item()
+    for p in model.parameters():
+        p.grad.div_(N)
+    return total / N
+
+
+def window_never_divided(model, micro_batches):
     total = 0.0
     for mb in micro_batches:
         logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(),
-                               ignore_index=-100, reduction="sum") / N
-        loss.backward()
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum")
+        loss.backward()  # the sum's gradient, never divided by N
         total += loss.item()
     return total
 
@@ -264,14 +286,16 @@ def update_gate_counts_only(ref, cand, expected_lrs):
     return True, "same number of effective updates"
 
 WRONG = {
-    "task0.sgd_momentum_update": [(sgd_no_decay, "漏了权重衰减")],
+    "task0.sgd_momentum_update": [(sgd_no_decay, "漏了权重衰减"), (sgd_decay_outside_momentum, "没有先加进梯度、进入动量"),
+                                  (sgd_in_place, "原地修改了传入的 `theta`、`grad`")],
     "task0.adamw_first_update": [(adamw_coupled, "耦合进了梯度"), (adamw_no_bias_correction, "偏差校正")],
     "task1.residual_vjp": [(residual_no_identity, "恒等路径"), (residual_W_not_transposed, "W ū 而不是 Wᵀ ū")],
     "task1.tied_embedding_grad": [(tied_head_only, "漏了嵌入查表"), (tied_assign, "index_add_")],
     "task2.rms_norm_backward": [(rms_no_term2, "漏了第二项"), (rms_dw_mean, "取了平均")],
     "task2.attention_backward": [(attention_group_mean, "取了平均"), (attention_no_scale, "缩放"), (attention_no_group_sum, "要相加")],
     "task2.cross_entropy_backward": [(ce_divide_by_N, "有效行数")],
-    "task3.accumulate_window": [(window_micro_mean, "micro_mean"), (window_unshifted, "没有错位")],
+    "task3.streaming_window": [(window_micro_mean, "micro_mean"), (window_unshifted, "没有错位"),
+                              (window_never_divided, "没有把 .grad 除以 N")],
     "task3.scheduled_lrs": [(lrs_every_attempt, "被跳过的更新也推进了它"), (lrs_logged_attempts, "有效更新次数")],
     "task4.layer_saved_bytes": [(layer_no_logsumexp, "sdpa_logsumexp"), (layer_with_probs, "s×s")],
     "task4.gradient_lifecycle": [(grads_released_at_optimizer, "zero_grad"), (grads_tied_head_in_head_phase, "backward.embed")],
@@ -293,7 +317,7 @@ def test_every_exercise_has_a_solution_and_wrong_answers():
 @pytest.mark.parametrize("exercise_id", list(S.SOLUTIONS))
 def test_reference_solution_passes(exercise_id):
     result, text = run_check(exercise_id, S.SOLUTIONS[exercise_id])
-    assert result is True, text
+    assert result is exercises.PASSED and result, text
     assert "✓" in text and "通过" in text and "✗" not in text
 
 
@@ -342,7 +366,7 @@ def test_a_check_leaves_the_global_rng_alone():
     torch.manual_seed(123)
     before = torch.get_rng_state()
     run_check("task5.checkpoint", S.my_checkpoint)
-    run_check("task3.accumulate_window", _stub)
+    run_check("task3.streaming_window", _stub)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -378,3 +402,57 @@ def test_every_notebook_ends_with_its_exercises():
             assert "未完成" in text and len(c["source"]) == 1, (path.name, c["source"])
         seen += ids
     assert sorted(seen) == sorted(exercises.EXERCISES)
+
+
+def test_decay_outside_the_momentum_is_not_called_missing():
+    result, text = run_check("task0.sgd_momentum_update", sgd_decay_outside_momentum)
+    assert isinstance(result, ClaimFailed)
+    assert "漏了权重衰减" not in text and "buf（动量缓冲）" in text, text
+
+
+def test_an_in_place_answer_is_wrong_even_with_the_right_values():
+    result, text = run_check("task0.sgd_momentum_update", sgd_in_place)
+    assert isinstance(result, ClaimFailed) and "原地修改了输入" in str(result)
+    assert "第 1 次更新" in text and "x.add_(…)" in text
+
+
+def test_a_learner_error_quotes_the_learners_own_line():
+    def helper(W):
+        return W @ torch.ones(W.shape[0] + 1, dtype=W.dtype)   # the shape error is raised here
+
+    def broken(W, x, v):
+        return helper(W), W
+
+    result, text = run_check("task1.residual_vjp", broken)
+    assert isinstance(result, ClaimFailed)
+    line = next(ln for ln in text.splitlines() if "出错的是你代码里的这一行" in ln)
+    assert "test_exercises.py" in line and "return W @ torch.ones(W.shape[0] + 1, dtype=W.dtype)" in line, text
+
+
+def test_in_a_kernel_feedback_shows_without_the_package_traceback():
+    """What the learner sees in JupyterLab: a wrong answer prints the diagnosis and raises (Run All
+    stops there) with a two-line error — the summary and the check's line — and no frames from
+    trainmech; a passing check shows no `Out[n]`; their own error is quoted at their line."""
+    from kernel_cells import errors_of, run_cells, text_of
+
+    wrong, right, raising = run_cells(
+        "import trainmech.exercises\nfrom trainmech import solutions as S\n"
+        "def sgd(theta, grad, buf, *, lr, momentum, weight_decay):\n"
+        "    buf = grad.clone() if buf is None else momentum * buf + grad\n"
+        "    return theta - lr * (buf + weight_decay * theta), buf\n"
+        'trainmech.exercises.check("task0.sgd_momentum_update", sgd)',
+        'trainmech.exercises.check("task0.sgd_momentum_update", S.sgd_momentum_update)',
+        "def adamw(theta0, grad, *, lr, weight_decay, eps):\n"
+        "    m = grad.sum(dim=5)\n"
+        "    return theta0\n"
+        'trainmech.exercises.check("task0.adamw_first_update", adamw)',
+    )
+    [error] = errors_of(wrong)
+    assert error.ename == "ClaimFailed" and "✗" in text_of(wrong)
+    shown = "\n".join(error.traceback)
+    assert len(error.traceback) == 2 and "练习 task0.sgd_momentum_update 未通过" in shown, shown
+    assert "Cell In[1]，第 6 行：trainmech.exercises.check(" in shown
+    assert "exercises" + "/__init__.py" not in shown and "Traceback" not in shown
+    assert "通过" in text_of(right) and not errors_of(right)
+    assert not [o for o in right.outputs if o.output_type == "execute_result"]  # no stray Out[n]: True
+    assert "出错的是你代码里的这一行（Cell In[3]，第 2 行：m = grad.sum(dim=5)）" in text_of(raising), text_of(raising)

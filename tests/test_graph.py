@@ -67,3 +67,15 @@ def test_grad_fn_graph_returns_a_closed_figure(max_nodes):
 def test_grad_fn_graph_refuses_a_leaf():
     with pytest.raises(ValueError, match="no grad_fn"):
         plots.grad_fn_graph(torch.ones(2, requires_grad=True))
+
+
+def test_saves_tensors_tells_which_nodes_a_first_backward_frees():
+    s = torch.tensor([1.0, 2.0], requires_grad=True)
+    add_sum = (s + 1.0).sum()
+    assert not any(graph.saves_tensors(n) for n in graph.nodes(add_sum))
+    add_sum.backward()
+    add_sum.backward()  # nothing was freed
+    tanh_sum = torch.tanh(s).sum()
+    assert [type(n).__name__ for n in graph.nodes(tanh_sum) if graph.saves_tensors(n)] == ["TanhBackward0"]
+    tanh_sum.backward()
+    assert graph.saves_tensors(tanh_sum.grad_fn.next_functions[0][0])  # freed, but it held one

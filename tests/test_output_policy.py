@@ -46,7 +46,7 @@ def test_close_prints_the_verdict_not_the_noise(capsys):
     line = capsys.readouterr().out.strip()
     assert line == f"{'x':<28} rel ≤ 1e-06 ✓"
     assert math.isclose(diff, 1e-9, rel_tol=1e-6)  # the raw value comes back, for the record
-    with pytest.raises(ClaimFailed, match="relative error 2.50e-04 exceeds 1e-06"):
+    with pytest.raises(ClaimFailed, match="相对误差 2.50e-04 超过容限 1e-06"):
         checks.close("x", ref + 1e-3, ref, rtol=1e-6)
 
 
@@ -60,7 +60,7 @@ def test_quantitative_claims_compare_value_and_limit(fn, value, limit, holds, ca
         fn(value, limit, "s")
         assert capsys.readouterr().out == "✓ s\n"
     else:
-        with pytest.raises(ClaimFailed, match="claim does not hold: s"):
+        with pytest.raises(ClaimFailed, match="结论不成立：s"):
             fn(value, limit, "s")
 
 

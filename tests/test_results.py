@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 def full_record(semantic_id: str = "TRAIN-GRADIENT-ACCUMULATION", workload_id: str = "cpu-seq32", **conclusion) -> dict:
     """A record with every group and every field filled (nothing left to defaults)."""
     return {
-        "schema_version": 1,
+        "schema_version": 2,
         "identity": {
             "semantic_id": semantic_id,
             "workload_id": workload_id,
@@ -46,6 +47,12 @@ def full_record(semantic_id: str = "TRAIN-GRADIENT-ACCUMULATION", workload_id: s
             "gpu": None,
             "gpu_memory_bytes": None,
             "device": "cpu",
+            "cpu": "Intel(R) Xeon(R) Platinum 8480+",
+            "cpu_capability": "AVX512",
+            "blas": "mkl 2024.2",
+            "onednn": "3.12.0",
+            "intra_op_threads": 1,
+            "numeric_env": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": None},
         },
         "correctness": {
             "output_max_abs_error": 1.5e-7,
@@ -238,7 +245,7 @@ def test_reader_refuses_a_decision_outside_accept_tune_reject(tmp_path, decision
 
 @pytest.mark.parametrize("decision", ["accept", "tune", "reject", None])
 def test_reader_accepts_each_decision_and_null(tmp_path, decision):
-    path = write_json(tmp_path / "a__b.json", full_record(decision=decision))
+    path = write_json(tmp_path / "TRAIN-GRADIENT-ACCUMULATION__cpu-seq32.json", full_record(decision=decision))
     assert results.read_record(path).conclusion.decision == decision
 
 
@@ -260,7 +267,7 @@ def test_reader_refuses_unknown_keys_and_schema_versions(tmp_path):
     data["identity"]["colour"] = "red"
     assert "colour" in refuse(tmp_path, data)
     data = full_record()
-    data["schema_version"] = 2
+    data["schema_version"] = 3
     assert "schema_version" in refuse(tmp_path, data)
 
 
@@ -271,11 +278,12 @@ def test_reader_refuses_an_unsafe_semantic_or_workload_id(tmp_path, bad_id):
 
 
 def test_read_records_reads_only_record_files(tmp_path):
-    results.write_record(full_record(), tmp_path)
-    results.write_record(full_record("TRAIN-LOOP", "cpu-loop"), tmp_path)
-    (tmp_path / "run.json").write_text("{}", encoding="utf-8")
-    (tmp_path / ".tmp-abc__x.json").write_text("{", encoding="utf-8")
-    records = results.read_records(tmp_path)
+    run = tmp_path / "unit"
+    results.write_record(full_record(), run)
+    results.write_record(full_record("TRAIN-LOOP", "cpu-loop"), run)
+    (run / "run.json").write_text("{}", encoding="utf-8")
+    (run / ".tmp-abc__x.json").write_text("{", encoding="utf-8")
+    records = results.read_records(run)
     assert [r.identity.semantic_id for r in records] == ["TRAIN-GRADIENT-ACCUMULATION", "TRAIN-LOOP"]
 
 
@@ -316,7 +324,10 @@ def rows(markdown: str) -> dict[str, list[str]]:
 
 
 def rec(semantic_id: str, workload_id: str, **conclusion) -> results.Record:
-    return results.Record.model_validate(full_record(semantic_id, workload_id, **{"decision": None, **conclusion}))
+    data = full_record(semantic_id, workload_id, **{"decision": None, **conclusion})
+    if conclusion.get("evidence_level") == "gpu-measured":  # GPU evidence comes from a GPU
+        data["environment"].update(device="cuda:0", gpu="NVIDIA H200", gpu_memory_bytes=150_000_000_000, cuda="12.8")
+    return results.Record.model_validate(data)
 
 
 def test_registry_lists_every_experiment_and_no_record_without_records():
@@ -373,3 +384,187 @@ def test_registry_keeps_records_of_experiments_outside_the_registry():
 def test_evidence_levels_are_ordered_weakest_first():
     assert results.EVIDENCE_LEVELS == ("cpu-mechanism", "not-measured", "gpu-measured")
     assert results.evidence_status([]) == "no record"
+
+
+# ---------------------------------------------------------------- strict records (issue 13)
+
+
+def record_file(tmp_path: Path, data=None, folder: str = "unit") -> Path:
+    """A record file named after its identity, in a run folder named after its label."""
+    data = full_record() if data is None else data
+    path = tmp_path / folder / "TRAIN-GRADIENT-ACCUMULATION__cpu-seq32.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, data)
+    return path
+
+
+def refused_on_read(path: Path, *words: str, run_label: str | None = None) -> str:
+    with pytest.raises(TrainmechError) as e:
+        results.read_record(path, run_label)
+    text = str(e.value)
+    assert "\n" not in text and results.shown(path) in text, text
+    for w in words:
+        assert w in text, (w, text)
+    return text
+
+
+def spoiled(path: list, value) -> dict:
+    data = full_record()
+    *parents, key = path
+    node = data
+    for p in parents:
+        node = node[p]
+    if value is KeyError:
+        del node[key]
+    else:
+        node[key] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    "where, value, word",
+    [
+        (["workload", "seed"], "5", "workload.seed"),
+        (["workload", "seed"], 5.0, "workload.seed"),
+        (["workload", "seed"], True, "workload.seed"),
+        (["workload", "input_shape"], ["4", "32"], "workload.input_shape.0"),
+        (["workload", "input_shape"], [4, 0], "workload.input_shape.1"),
+        (["schema_version"], 2.0, "schema_version"),
+        (["schema_version"], True, "schema_version"),
+        (["schema_version"], "2", "schema_version"),
+        (["schema_version"], KeyError, "schema_version"),
+        (["resources", "peak_allocated_bytes"], -1, "peak_allocated_bytes"),
+        (["resources", "transfer_bytes"], -4096, "transfer_bytes"),
+        (["resources", "step_time_median_s"], -0.5, "step_time_median_s"),
+        (["resources", "step_time_p95_s"], "0.1", "step_time_p95_s"),
+        (["correctness", "grad_max_abs_error"], -1e-9, "grad_max_abs_error"),
+        (["correctness", "skipped_updates"], -1, "skipped_updates"),
+        (["correctness", "all_finite"], 1, "all_finite"),
+        (["environment", "gpu_memory_bytes"], -1, "gpu_memory_bytes"),
+        (["environment", "intra_op_threads"], 0, "intra_op_threads"),
+        (["environment", "numeric_env"], {"OMP_NUM_THREADS": "1"}, "OMP_NUM_THREADS"),
+        (["workload", "effective_batch", "supervised_tokens"], -3, "supervised_tokens"),
+    ],
+)
+def test_reader_is_strict_about_types_and_signs(tmp_path, where, value, word):
+    refused_on_read(record_file(tmp_path, spoiled(where, value)), "malformed", word)
+
+
+def test_writer_refuses_what_the_reader_refuses_and_writes_nothing(tmp_path):
+    with pytest.raises(TrainmechError, match="peak_allocated_bytes"):
+        results.write_record(spoiled(["resources", "peak_allocated_bytes"], -1), tmp_path)
+    with pytest.raises(TrainmechError, match="seed"):
+        results.write_record(spoiled(["workload", "seed"], "5"), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_takes_tuples_and_numpy_scalars_as_the_json_they_become(tmp_path):
+    import numpy as np
+
+    data = full_record()
+    data["workload"]["input_shape"] = (4, 32)
+    data["metrics"] = {"loss": np.float32(5.25), "steps": np.int64(3), "pair": (1, 2)}
+    back = results.read_record(results.write_record(data, tmp_path / "unit"), "unit")
+    assert back.workload.input_shape == [4, 32]
+    assert back.metrics == {"loss": 5.25, "steps": 3, "pair": [1, 2]} and type(back.metrics["steps"]) is int
+
+
+def test_gpu_evidence_needs_a_gpu(tmp_path):
+    data = full_record(evidence_level="gpu-measured")  # device cpu, gpu null
+    text = refused_on_read(record_file(tmp_path, data), "gpu-measured", "'cpu'")
+    with pytest.raises(TrainmechError, match="gpu-measured"):
+        results.write_record(data, tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+    data["environment"].update(device="cuda:0", gpu="NVIDIA H200", gpu_memory_bytes=150_000_000_000, cuda="12.8")
+    assert results.read_record(record_file(tmp_path, data)).conclusion.evidence_level == "gpu-measured"
+    assert "gpu" in text
+
+
+def test_file_name_must_be_the_identity(tmp_path):
+    path = tmp_path / "unit" / "TRAIN-LOOP__cpu-loop.json"
+    path.parent.mkdir()
+    write_json(path, full_record())
+    refused_on_read(path, "TRAIN-GRADIENT-ACCUMULATION__cpu-seq32.json", "identity")
+
+
+def test_run_label_must_be_the_folder(tmp_path):
+    path = record_file(tmp_path, folder="other")
+    refused_on_read(path, "'unit'", "'other'", run_label="other")
+    with pytest.raises(TrainmechError, match="belongs to run 'unit'"):
+        results.read_records(path.parent)
+    records, invalid = results.read_run(path.parent)
+    assert records == [] and list(invalid) == [path.name]
+    assert results.read_run(tmp_path / "other", "unit")[0][0].identity.run_label == "unit"
+    partial = record_file(tmp_path, folder="unit.partial")  # a partial run's folder holds its label's records
+    assert len(results.read_records(partial.parent)) == 1
+
+
+def test_schema_1_records_are_read_with_null_provenance(tmp_path):
+    data = full_record()
+    data["schema_version"] = 1
+    for key in ("cpu", "cpu_capability", "blas", "onednn", "intra_op_threads", "numeric_env"):
+        del data["environment"][key]
+    back = results.read_record(record_file(tmp_path, data))
+    assert back.schema_version == 2
+    assert back.environment.cpu is None and back.environment.intra_op_threads is None
+    assert back.environment.numeric_env.model_dump() == {"ATEN_CPU_CAPABILITY": None, "MKL_CBWR": None}
+    data["schema_version"] = 1.0
+    refused_on_read(record_file(tmp_path, data), "schema_version")
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b'{"identity": "\xff\xfe"}', ["UTF-8", "offset 14"]),
+        (b"[" * 100_000 + b"]" * 100_000, ["JSON", "nested too deeply"]),
+        (b'{"a": ' + b"9" * 5000 + b"}", ["JSON"]),
+        (b"\x00" * (results.MAX_RECORD_BYTES + 1), ["larger than 1,048,576 bytes"]),
+        (b"", ["JSON"]),
+    ],
+    ids=["not-utf8", "deep", "huge-int", "too-large", "empty"],
+)
+def test_undecodable_records_are_one_line_naming_the_file(tmp_path, content, words):
+    path = tmp_path / "TRAIN-LOOP__cpu-loop.json"
+    path.write_bytes(content)
+    refused_on_read(path, *words)
+
+
+def test_records_that_are_not_regular_files_are_refused_without_reading_them(tmp_path):
+    link = tmp_path / "TRAIN-LOOP__zero.json"
+    link.symlink_to("/dev/zero")
+    refused_on_read(link, "not a regular file")
+    fifo = tmp_path / "TRAIN-LOOP__fifo.json"
+    os.mkfifo(fifo)
+    refused_on_read(fifo, "not a regular file")  # and the open did not block
+    (tmp_path / "TRAIN-LOOP__dir.json").mkdir()
+    refused_on_read(tmp_path / "TRAIN-LOOP__dir.json", "not a regular file")
+    weird = tmp_path / "TRAIN-LOOP__a\nb.json"
+    weird.write_text("{", encoding="utf-8")
+    assert "\\n" in refused_on_read(weird, "JSON")
+
+
+def test_registry_lists_invalid_records_instead_of_refusing(tmp_path):
+    folder = tmp_path / "unit"
+    results.write_record(full_record(), folder)
+    (folder / "TRAIN-LOOP__bad.json").write_bytes(b"\xff")
+    write_json(folder / "TRAIN-CHECKPOINT__x.json", full_record("TRAIN-CHECKPOINT", "x", evidence_level="gpu-measured"))
+    records, invalid = results.read_run(folder)
+    assert [r.filename for r in records] == ["TRAIN-GRADIENT-ACCUMULATION__cpu-seq32.json"]
+    assert sorted(invalid) == ["TRAIN-CHECKPOINT__x.json", "TRAIN-LOOP__bad.json"]
+    md = results.registry_markdown(records, "unit", invalid)
+    table = rows(md)
+    assert table["TRAIN-CHECKPOINT"][3] == "no record"  # never shown as GPU evidence
+    assert table["TRAIN-GRADIENT-ACCUMULATION"][3] == "cpu-mechanism (cpu-seq32); decision tune"
+    tail = md.split("## 无效记录", 1)[1]
+    assert "`TRAIN-LOOP__bad.json`: record TRAIN-LOOP__bad.json is not UTF-8 text" in tail
+    assert "`TRAIN-CHECKPOINT__x.json`:" in tail and "gpu-measured" in tail
+
+
+@pytest.mark.parametrize("label, ok", [("a" * 100, True), ("a" * 101, False), ("a" * 300, False)])
+def test_labels_are_bounded_in_length(label, ok):
+    if ok:
+        assert results.check_label(label) == label
+    else:
+        with pytest.raises(TrainmechError) as e:
+            results.check_label(label)
+        assert "1 to 100" in str(e.value) and len(str(e.value)) < 200

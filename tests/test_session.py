@@ -106,6 +106,21 @@ def test_environment_has_every_record_key_and_the_imported_versions():
     assert env["cuda"] is None and env["gpu"] is None and env["gpu_memory_bytes"] is None
 
 
+def test_environment_names_the_cpu_and_the_numeric_path(monkeypatch):
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    env = session.start("cpu", "local").environment
+    assert env["intra_op_threads"] == session.CPU_THREADS == torch.get_num_threads() == 1
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert env["cpu"] and "\n" not in env["cpu"]
+    config = torch.__config__.show()
+    if "BLAS_INFO=mkl" in config:
+        assert env["blas"].startswith("mkl 20") and env["blas"].split()[1] in config
+    if "MKL-DNN v" in config:
+        assert f"MKL-DNN v{env['onednn']}" in config
+    assert env["numeric_env"] == {"ATEN_CPU_CAPABILITY": None, "MKL_CBWR": "COMPATIBLE"}
+
+
 def test_results_dir_follows_the_environment_variable(monkeypatch, tmp_path):
     monkeypatch.setenv(session.RESULTS_ENV, str(tmp_path / "here"))
     assert session.start("cpu", "lbl").results_dir == tmp_path / "here"

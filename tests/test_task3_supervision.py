@@ -196,3 +196,90 @@ def test_real_qwen2_window_matches_its_own_loss_in_fp32():
     model.zero_grad(set_to_none=True)
     supervision.accumulate_gradients(model, workload.split_micro_batches(batch, 4))
     assert max_rel([p.grad for p in model.parameters()], ref) <= 1e-6
+
+
+# ---------------------------------------------------------------- host syncs, hooks for AMP and strategies
+
+
+def _uneven(seq=8):
+    rows = [[1, 2, 3, 4, 5, 6, 7, 8][:seq], [2, 3, 4], [5, 6, 7, 8, 9], [3, 4]]
+    return workload.pad_batch([r[:seq] for r in rows], supervise_from=[0, 1, 2, 0])
+
+
+def test_count_tokens_reads_every_micro_batch_after_the_shift():
+    micro = workload.split_micro_batches(_uneven(), 4)
+    assert supervision.count_tokens(micro) == tuple(workload.supervised_tokens(mb["labels"]) for mb in micro)
+    assert supervision.count_tokens([]) == ()
+
+
+def _window_and_grads(model, micro, **options):
+    """(Window, every parameter's .grad) of one accumulation window from zeroed gradients."""
+    model.zero_grad(set_to_none=True)
+    window = supervision.accumulate_gradients(model, micro, **options)
+    return window, [p.grad.clone() for p in model.parameters()]
+
+
+def test_precounted_tokens_give_the_same_window_and_the_loss_stays_a_float64_tensor():
+    micro, model = workload.split_micro_batches(_uneven(), 2), ToyLM()
+    counted_here, g_here = _window_and_grads(model, micro)
+    precounted, g_pre = _window_and_grads(model, micro, micro_tokens=supervision.count_tokens(micro))
+    assert all(torch.equal(a, b) for a, b in zip(g_pre, g_here))
+    assert torch.equal(precounted.loss, counted_here.loss)
+    assert precounted.loss.dtype == torch.float64 and precounted.loss.dim() == 0
+
+
+def test_scale_multiplies_the_gradient_not_the_returned_loss():
+    micro, model = workload.split_micro_batches(_uneven(), 2), ToyLM()
+    plain, g = _window_and_grads(model, micro)
+    scaled, g_scaled = _window_and_grads(model, micro, scale=lambda loss: loss * 8.0)
+    assert torch.equal(scaled.loss, plain.loss)
+    assert all(torch.allclose(a, 8.0 * b, rtol=1e-15, atol=0) for a, b in zip(g_scaled, g))
+
+
+def test_autocast_wraps_each_forward_and_contexts_wrap_each_micro_batch():
+    from contextlib import contextmanager
+
+    events = []
+
+    @contextmanager
+    def tagged(name):
+        events.append(f"enter {name}")
+        yield
+        events.append(f"exit {name}")
+
+    micro = workload.split_micro_batches(_uneven(), 2)
+    model = ToyLM()
+    supervision.accumulate_gradients(model, micro, autocast=lambda: tagged("autocast"), contexts=(lambda m: tagged("strategy"),),
+                                     forward_kwargs={})
+    assert events == ["enter strategy", "enter autocast", "exit autocast", "exit strategy"] * 2
+
+
+def test_precounted_empty_window_is_still_refused_before_any_forward():
+    micro = workload.split_micro_batches(_uneven(), 2)
+    calls = []
+    model = ToyLM()
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with pytest.raises(TrainmechError, match="supervises no token"):
+        supervision.accumulate_gradients(model, micro, micro_tokens=(0, 0))
+    assert not calls
+
+
+def test_uneven_batch_supervises_unequal_counts_per_row():
+    batch = supervision.uneven_batch(4, 32)
+    assert batch["input_ids"].shape == (4, 32)
+    counts = [workload.supervised_tokens(batch["labels"][i : i + 1]) for i in range(4)]
+    assert len(set(counts)) == 4
+    assert bool((batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all())
+
+
+def test_accumulation_experiment_reports_both_normalizations_and_record_fields():
+    from trainmech.session import start
+
+    session = start("cpu", "scratch-tests", results_dir="/tmp/trainmech-test-unused")
+    wid = next(w for w, spec in session.profile.workloads.items() if "TRAIN-GRADIENT-ACCUMULATION" in spec.experiments)
+    result = supervision.accumulation_experiment(session, wid, lr=1e-3, warmup=0, timed_windows=1)
+    assert max(result.errors("window_tokens")) <= 1e-6 < 1e-2 <= min(result.errors("micro_mean"))
+    fields = result.record_fields()
+    assert fields["effective_batch"]["supervised_tokens"] == result.effective_tokens
+    assert fields["resources"]["peak_allocated_bytes"] is None  # not measured on a CPU
+    assert "peaks: not measured on CPU" in result.peak_lines("reference")

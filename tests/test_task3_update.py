@@ -193,3 +193,90 @@ def test_load_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
     model, opt, scaler, _ = fresh()
     with pytest.raises(TrainmechError, match="not a training checkpoint"):
         update.load_training_state(tmp_path, model=model, optimizer=opt, scaler=scaler)
+
+
+# ---------------------------------------------------------------- one host sync; Task3's runs
+
+
+def test_all_finite_sees_inf_and_nan_anywhere_and_never_overflows_on_finite_values():
+    ok = [torch.full((3,), 3e38), torch.ones(2, dtype=torch.float16) * 60000]   # huge but finite
+    assert bool(update.all_finite(ok))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        assert not bool(update.all_finite([torch.ones(4), torch.tensor([1.0, bad])]))
+    assert bool(update.all_finite([]))
+
+
+def test_grads_finite_ignores_parameters_without_grad():
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    a.grad = torch.ones(2)
+    assert update.grads_finite([a, b])
+    b.grad = torch.tensor([0.0, float("nan")])
+    assert not update.grads_finite([a, b])
+
+
+def test_flat_grads_counts_a_tied_weight_once():
+    lin = torch.nn.Linear(3, 3, bias=False)
+    model = torch.nn.ModuleDict({"a": lin, "b": lin})
+    lin.weight.grad = torch.ones(3, 3)
+    assert update.flat_grads(model).shape == (9,)
+
+
+def test_transformers_wsd_is_wsd_multiplier():
+    wsd = dict(warmup_steps=3, stable_steps=4, decay_steps=5, min_lr_ratio=0.1)
+    assert update.transformers_wsd(15, **wsd) == [update.wsd_multiplier(s, **wsd) for s in range(15)]
+
+
+def test_replay_on_effective_updates_reads_the_clock():
+    wsd = dict(warmup_steps=2, stable_steps=3, decay_steps=3, min_lr_ratio=0.1)
+    stepped = [True, False, True, True, False, True, True, True, True]
+    clock, expected = 0, []
+    for s in stepped:
+        expected.append(1e-3 * update.wsd_multiplier(clock, **wsd))
+        clock += s
+    assert update.replay_schedule(stepped, int, 1e-3, **wsd) == expected
+
+
+def _tiny_lm():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 7))
+
+
+def test_run_attempts_skips_the_injected_attempt_and_reads_lr_from_the_clock():
+    model = _tiny_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    batches = [torch.arange(5) % 7 for _ in range(6)]
+    wsd = dict(warmup_steps=1, stable_steps=2, decay_steps=2)
+
+    def attempt(a, ids):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(ids[:-1]), ids[1:]) * (float("nan") if a == 2 else 1.0)
+        loss.backward()
+        return loss.detach(), update.step_if_finite(opt)
+
+    log = update.run_attempts(attempt, batches, model=model, optimizer=opt, scaler=scaler, base_lr=1e-3, wsd=wsd,
+                              device=torch.device("cpu"))
+    assert log.stepped == [True, True, False, True, True, True] and log.loss[2] is None
+    assert log.clock.state_dict() == {"effective_updates": 5, "skipped_updates": 1} and log.optimizer_steps == {5}
+    assert log.lr[3] == log.lr[2] == 1e-3 * update.wsd_multiplier(2, **wsd)
+    assert log.finite_params and set(log.step_times(0)) == {"step_time_median_s", "step_time_p95_s"}
+
+
+def test_dynamics_run_measures_the_clipped_norm_and_displacement():
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _tiny_lm()
+
+        def forward(self, input_ids):
+            logits = self.net(input_ids)
+            from types import SimpleNamespace
+            return SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits[:-1], input_ids[1:]))
+
+    model = LM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = {"input_ids": torch.arange(6) % 7}
+    run = update.dynamics_run(model, opt, [batch] * 3, max_norm=0.01, eval_batch=batch, device=torch.device("cpu"))
+    assert all(g > 0.01 for g in run.grad_norm) and max(run.clipped_norm) <= 0.01 * (1 + 1e-5)
+    assert run.displacement[0] == pytest.approx(0.1 * run.clipped_norm[0], rel=1e-5)
+    assert all(run.finite) and model.training and set(run.series()) == {"loss", "grad_norm", "clip_coef", "displacement"}

@@ -222,7 +222,7 @@ def test_calculator_refusals_are_one_line(tmp_path, capsys):
         (["--config", str(tmp_path / "missing.json"), "--batch", "1", "--seq", "8"], "does not exist"),
         (["--config", str(bert), "--batch", "1", "--seq", "8"], "not a causal LM"),
         (["--config", str(gpt2), "--batch", "1", "--seq", "8"], "the ledger knows the decoder layout"),
-        (["--config", str(broken), "--batch", "1", "--seq", "8"], "not a JSON config"),
+        (["--config", str(broken), "--batch", "1", "--seq", "8"], "not readable JSON"),
         (["--config", "qwen2-tiny", "--batch", "-2", "--seq", "8"], "batch must be a positive integer"),
         (["--config", "qwen2-tiny", "--batch", "1", "--seq", "0"], "seq must be a positive integer"),
         (["--config", "qwen2-tiny", "--batch", "1", "--seq", "8", "--dtype", "int4"], "unknown dtype recipe"),
@@ -233,6 +233,72 @@ def test_calculator_refusals_are_one_line(tmp_path, capsys):
         rc, out, err = _run(argv, capsys)
         assert rc == 2 and out == "", argv
         assert err.count("\n") == 1 and words in err and err.startswith("trainmech: error: "), (argv, err)
+
+
+QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "tie_word_embeddings": True, "hidden_act": "silu"}
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"num_key_value_heads": "2"}, "num_key_value_heads must be a positive integer or absent, got '2'"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer or absent, got 0"),
+        ({"num_key_value_heads": 4}, "num_attention_heads 14 is not a multiple of num_key_value_heads 4"),
+        ({"head_dim": "64"}, "head_dim must be a positive integer or absent, got '64'"),
+        ({"head_dim": -64}, "head_dim must be a positive integer or absent, got -64"),
+        ({"head_dim": 63.5}, "head_dim must be a positive integer or absent, got 63.5"),
+        ({"hidden_size": 900}, "hidden_size 900 is not a multiple of num_attention_heads 14"),
+        ({"hidden_size": 896.0}, "lacks a positive integer for hidden_size"),
+        ({"num_hidden_layers": 1e9}, "lacks a positive integer for num_hidden_layers"),
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers 1,000,000,000 is more than the 10,000"),
+        ({"num_hidden_layers": True}, "lacks a positive integer for num_hidden_layers"),
+        ({"vocab_size": -1}, "lacks a positive integer for vocab_size"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+        ({"architectures": "Qwen2ForCausalLM"}, "architectures must be a list of names"),
+    ],
+)
+def test_nonsense_configs_are_refused_in_one_line(tmp_path, capsys, change, words):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**QWEN, **change}))
+    rc, out, err = _run(["--config", str(path), "--batch", "1", "--seq", "8"], capsys)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("trainmech: error: ") and words in err, err
+
+
+def test_a_config_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, capsys):
+    link = tmp_path / "config.json"
+    link.symlink_to("/dev/zero")
+    for config in (link, "/dev/zero", tmp_path):
+        rc, out, err = _run(["--config", str(config), "--batch", "1", "--seq", "8"], capsys)
+        assert rc == 2 and out == "" and err.count("\n") == 1 and "is not a regular file" in err, err
+    link.unlink()
+    link.write_bytes(b"\xff{}")
+    rc, _, err = _run(["--config", str(link), "--batch", "1", "--seq", "8"], capsys)
+    assert rc == 2 and "is not UTF-8 text" in err
+
+
+def test_sizes_are_integers_and_time_grows_linearly_with_the_layers(capsys):
+    import time
+
+    rc, out, _ = _run(["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["n_params"] == 494_032_768 and isinstance(json.loads(out)["n_params"], int)
+
+    def seconds(layers: int) -> float:
+        """CPU seconds of the calculator's work for a loaded config, the best of three (CPU time, not wall
+        time: other processes on the machine must not make a linear ledger look quadratic)."""
+        shape = ledger.model_shape({**QWEN, "num_hidden_layers": layers})
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            ledger.render(ledger.training_state_lifecycle(shape, 2, 512))
+            best = min(best, time.process_time() - t0)
+        return best
+
+    small, large = seconds(400), seconds(1600)
+    assert large < 1.0 and seconds(24) < 1.0  # the 0.5B shape and a 1,600-layer one
+    assert large / small < 8, (small, large)  # 4x the layers: linear is 4x, quadratic 16x
 
 
 def test_python_dash_m_trainmech_ledger(tmp_path):

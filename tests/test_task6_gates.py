@@ -381,14 +381,16 @@ def test_a_candidate_refuses_an_unknown_dtype():
 # ----------------------------------------------------------------------------- the registry
 
 
-def record(semantic_id, workload_id, level="cpu-mechanism", decision=None, failure=None) -> results.Record:
+def record(semantic_id, workload_id, level="cpu-mechanism", decision=None, failure=None, label="unit") -> results.Record:
+    gpu = level == "gpu-measured"  # GPU evidence comes from a GPU
     return results.validate({
-        "identity": {"semantic_id": semantic_id, "workload_id": workload_id, "run_label": "unit", "page": "Task6",
+        "identity": {"semantic_id": semantic_id, "workload_id": workload_id, "run_label": label, "page": "Task6",
                      "notebook": "Task6_gates_evidence", "candidate": workload_id.split(".")[-1]},
         "workload": {"model_id": "trainmech/qwen2-tiny", "model_weights": "random-init seed=0", "tokenizer": "t",
                      "input_shape": [4, 32], "effective_batch": {"sequences": 4, "supervised_tokens": 58}, "dtype": "float32", "seed": 0},
         "environment": {"profile_id": "TRAIN-CPU", "run_mode": "cpu", "python": "3.11", "torch": "2", "transformers": "5",
-                        "accelerate": None, "cuda": None, "gpu": None, "gpu_memory_bytes": None, "device": "cpu"},
+                        "accelerate": None, "cuda": "12.8" if gpu else None, "gpu": "NVIDIA H200" if gpu else None,
+                        "gpu_memory_bytes": 150_000_000_000 if gpu else None, "device": "cuda:0" if gpu else "cpu"},
         "conclusion": {"evidence_level": level, "decision": decision, "failure": failure},
         "metrics": {"gates": {"inputs": True, "gradients": True}, "note": "中文"},
     })
@@ -441,10 +443,10 @@ def test_registry_rows_for_the_gates_and_the_memory_strategy_interface():
 
 
 def test_runs_with_gpu_evidence_are_found_by_their_records(tmp_path):
-    for r in RECORDS[:1]:
-        results.write_record(r, tmp_path / "cpu-run")
-    for r in RECORDS[:3]:
-        results.write_record(r, tmp_path / "h200-run")
+    for label, records in (("cpu-run", RECORDS[:1]), ("h200-run", RECORDS[:3])):  # a record's run label is its folder
+        for r in records:
+            results.write_record(r.model_copy(update={"identity": r.identity.model_copy(update={"run_label": label})}),
+                                 tmp_path / label)
     (tmp_path / "h200-run" / "BROKEN__x.json").write_text("{", encoding="utf-8")  # left out, as the runner does
     (tmp_path / ".staging-x").mkdir()
     found = results.runs_with_evidence(tmp_path, "gpu-measured")

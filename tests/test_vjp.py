@@ -307,7 +307,7 @@ def test_task2_close_passes_and_fails_loudly(capsys):
     assert capsys.readouterr().out.strip().endswith("✗")
     with pytest.raises(AssertionError):
         close("demo.nan", ref * float("nan"), ref, rtol=1e-10)
-    with pytest.raises(AssertionError, match="shape"):
+    with pytest.raises(AssertionError, match="形状不同"):
         close("demo.shape", ref[:2], ref, rtol=1e-10)
 
 

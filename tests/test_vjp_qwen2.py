@@ -273,3 +273,15 @@ def test_task2_benchmark_runs_its_correctness_gate_and_reports_medians(capsys):
     assert set(result) == {"by_hand", "autograd", "ratio"} and all(v > 0 for v in result.values())
     out = capsys.readouterr().out
     assert "correctness gate" in out and "ratio by hand / autograd" in out
+
+
+def test_task0_task2_every_float32_island_is_measured_in_a_float64_model():
+    model, (ids, labels) = tiny_model(torch.float64, attn_implementation="sdpa"), batch()
+    gaps = q2.float32_island_gaps(model, ids, labels)
+    assert list(gaps) == list(q2.FLOAT32_ISLANDS) and all(g > 0 for g in gaps.values())
+    assert model.config._attn_implementation == "sdpa"  # restored after the eager entry
+    with pytest.raises(ValueError, match="float64"):
+        q2.float32_island_gaps(tiny_model(torch.float32), ids, labels)
+    with pytest.raises(ValueError, match="can remove only"):
+        with q2.hf_float64_reference(islands=("ForCausalLMLoss",)):
+            pass

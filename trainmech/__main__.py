@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
 import sys
-from pathlib import Path
 
-from trainmech.errors import TrainmechError
+from trainmech.errors import OneLineParser, TrainmechError
 
 DESCRIPTION = """\
 trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanics).
@@ -24,10 +22,12 @@ trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanic
             report output differences, claim margins and record drift (maintainers)
   gpu-check run every CUDA-only branch once at small sizes and report (--dry-run: the plan and budget
             on any machine; see python -m trainmech gpu-check --help)
+  twins     write (or --check) the notebooks' text twins in notebooks/text/, code and prose for diffs
 
 Examples:
   python -m trainmech run                         # all notebooks, CPU mode, label "local"
   python -m trainmech run --only Task0 --label try1
+  python -m trainmech run --jobs 2                # two notebooks at once
   python -m trainmech run --mode TRAIN-CUDA-MECHANISM --label h200-2026-11-29
   python -m trainmech registry --label cpu-reference
   python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512
@@ -40,32 +40,63 @@ OWN_PARSERS = {
     "ledger": ("trainmech.ledger", "the training-state ledger calculator (its own --help)"),
     "portability": ("trainmech.portability", "outputs, margins and records under other numeric paths (its own --help)"),
     "gpu-check": ("trainmech.gpucheck", "run every CUDA-only branch once and report (its own --help)"),
+    "twins": ("trainmech.twins", "write or check the notebooks' text twins, notebooks/text/*.md (its own --help)"),
 }
 
 
-def _parse_override(text: str) -> tuple[str, object]:
-    name, sep, value = text.partition("=")
-    if not sep or not name.isidentifier():
-        raise TrainmechError(f"override {text!r} is not NAME=VALUE (for example -p SEQ=64)")
-    try:
-        return name, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return name, value  # a bare word is a string
+def _parse_overrides(items: list[str]) -> dict[str, str]:
+    """{NAME: VALUE text} from -p NAME=VALUE; the runner checks each against the notebooks' parameters cells."""
+    out: dict[str, str] = {}
+    for text in items:
+        name, sep, value = text.partition("=")
+        if not sep or not name.isidentifier():
+            raise TrainmechError(f"override {text[:60]!r} is not NAME=VALUE (for example -p SEED=1)")
+        if name in out:
+            raise TrainmechError(f"-p {name} is given twice; give each parameter once")
+        out[name] = value
+    return out
+
+
+RUN_DESCRIPTION = """\
+Execute the Task notebooks headless with nbclient, each in its own kernel.
+
+Where the results go:
+  every notebook ok     results/<label>/ is replaced as a whole (exit 0)
+  a notebook failed or  the run goes to results/<label>.partial/ and results/<label>/ stays
+  timed out             as it was (exit 1); the other notebooks still run, nothing is lost
+  --only TaskN …        merges into results/<label>/: the other notebooks' records and
+                        executed copies are kept, the named notebooks' are replaced
+  Ctrl-C or SIGTERM     the kernels are stopped, results/ is left exactly as it was
+                        (exit 130 / 143)
+One run per label at a time; a second one is refused. With --jobs N, N notebooks run at
+once (longest first); failures, timeouts, interruption and replacement behave as with one.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m trainmech", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger,portability,gpu-check}")
 
-    run = sub.add_parser("run", help="execute the notebooks headless", description="Execute the Task notebooks headless with nbclient.")
+    run = sub.add_parser("run", help="execute the notebooks headless", description=RUN_DESCRIPTION,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("--mode", default="cpu", help="run mode: cpu (default) or TRAIN-CUDA-MECHANISM (needs one CUDA GPU)")
-    run.add_argument("--label", default="local", help="results folder name under results/ (letters, digits, . _ -); default: local")
-    run.add_argument("--only", nargs="+", metavar="TaskN", help="run only these notebooks, e.g. --only Task0 Task3")
-    run.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE", help="override a parameter of the notebooks' parameters cell")
-    run.add_argument("--timeout", type=float, default=1200.0, help="seconds one notebook may run before it is stopped (default 1200)")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--label", default="local", help="results folder name under results/ (1-100 letters, digits, . _ -; "
+                     "not ending in .partial); default: local")
+    run.add_argument("--only", nargs="+", metavar="TaskN", help="run only these notebooks and merge them into the label, e.g. --only Task0 Task3")
+    run.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
+                     help="override a variable the notebooks' parameters cell assigns, with a value of its default's type "
+                          "(e.g. -p SEED=1); it goes to the notebooks that assign it. RUN_MODE and RUN_LABEL: use --mode and --label")
+    run.add_argument("--timeout", type=float, default=1200.0, help="seconds one notebook may run before it is stopped and reported as timeout (default 1200)")
+    run.add_argument("--jobs", type=int, metavar="N", help="notebooks executed at once, each in its own kernel, longest "
+                     "first (by the label's last run.json); default: the usable cores (1 in TRAIN-CUDA-MECHANISM mode), "
+                     "lowered when the available memory would not hold that many kernels of the largest peak RSS the label's "
+                     "last run measured (2 GiB each before any). Results are the same as with --jobs 1")
+    run.add_argument("--benchmark-jobs", action="store_true", help="benchmark, writes nothing: run every notebook (CPU) with "
+                     "--jobs 1 and then --jobs N (default 2) into a throw-away folder and print both times, their ratio "
+                     "and whether the records and outputs agree apart from times")
+    run.add_argument("--quiet", action="store_true", help="no progress lines")
 
     reg = sub.add_parser("registry", help="print the registry table from a run's records", description="Render the experiment registry from the records of results/<label>/.")
     reg.add_argument("--label", default="cpu-reference", help="which run under results/ (default: cpu-reference)")
@@ -86,24 +117,22 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in OWN_PARSERS:  # these commands parse their own options
         return importlib.import_module(OWN_PARSERS[argv[0]][0]).main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error already printed in one line (2)
+        return e.code
     try:
         if args.command == "run":
             from trainmech import runner
 
-            overrides = dict(_parse_override(p) for p in args.param)
-            return runner.run(args.mode, args.label, only=args.only, overrides=overrides, timeout=args.timeout, progress=not args.quiet)
+            if args.benchmark_jobs:
+                runner.benchmark_jobs(args.jobs or 2, timeout=args.timeout)
+                return 0
+            overrides = _parse_overrides(args.param)
+            return runner.run(args.mode, args.label, only=args.only, overrides=overrides, timeout=args.timeout,
+                              jobs=args.jobs, progress=not args.quiet)
         if args.command == "registry":
-            from trainmech import results
-            from trainmech.runner import RESULTS_ROOT
-
-            results.check_label(args.label)
-            folder = RESULTS_ROOT / args.label
-            if not folder.is_dir():
-                runs = sorted(p.name for p in RESULTS_ROOT.iterdir() if p.is_dir() and not p.name.startswith("."))
-                raise TrainmechError(f"no run labelled {args.label!r} under results/; present: {', '.join(runs) or 'none'}")
-            print(results.registry_markdown(results.read_records(folder), args.label), end="")
-            return 0
+            return _registry(args.label)
         if args.command == "refresh":
             from trainmech import runner
 
@@ -121,9 +150,24 @@ def main(argv: list[str] | None = None) -> int:
     except TrainmechError as e:
         print(f"trainmech: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("trainmech: interrupted; earlier results are unchanged", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # runner.Interrupted carries the signal's exit code
+        print(f"trainmech: interrupted ({e or 'SIGINT'}); results/ is unchanged", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
+
+
+def _registry(label: str) -> int:
+    """Print the registry of results/<label>/; invalid records are listed below it (exit 1)."""
+    from trainmech import results
+    from trainmech.runner import RESULTS_ROOT
+
+    results.check_label(label)
+    folder = RESULTS_ROOT / label
+    if not folder.is_dir():
+        runs = sorted(p.name for p in RESULTS_ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")) if RESULTS_ROOT.is_dir() else []
+        raise TrainmechError(f"no run labelled {label!r} under results/; present: {', '.join(runs) or 'none'}")
+    records, invalid = results.read_run(folder)
+    print(results.registry_markdown(records, label, invalid), end="")
+    return 1 if invalid else 0
 
 
 if __name__ == "__main__":

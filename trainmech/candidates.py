@@ -20,7 +20,7 @@ as on CUDA, on every device) and a residual dropout drawn in float32 from the gl
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -67,17 +67,11 @@ def window_backward(state: TrainState, window: list[dict], *, contexts=(), norma
     model -> context manager, entered in order) around each micro-batch, the claimed precision's
     autocast around the forward, GradScaler's scaling before the backward. Returns the window's loss
     (unscaled, a device tensor: nothing here waits for the device)."""
-
-    def strategies():
-        stack = ExitStack()
-        for context in contexts:
-            stack.enter_context(context(state.model))
-        return stack
-
-    scaler = state.scaler if state.scaler.is_enabled() else None
+    device = state.device
     return supervision.accumulate_gradients(
-        state.model, list(window), normalization=normalization, context=strategies, precision=state.precision,
-        scaler=scaler, model_kwargs={"use_cache": False}, micro_tokens=getattr(window, "tokens", None)).loss
+        state.model, list(window), normalization=normalization, micro_tokens=getattr(window, "tokens", None),
+        autocast=lambda: amp.autocast(device, state.precision), contexts=tuple(contexts),
+        scale=state.scaler.scale if state.scaler.is_enabled() else None, forward_kwargs={"use_cache": False}).loss
 
 
 def effective_update(state: TrainState) -> bool:

@@ -27,12 +27,18 @@ from pathlib import Path
 
 import torch
 
+from trainmech.display import ShortTraceback
+
 _log_path: Path | None = None
 _logged = 0
 
 
-class ClaimFailed(AssertionError):
-    """A mechanism claim did not hold on this run."""
+class ClaimFailed(ShortTraceback, AssertionError):
+    """A mechanism claim did not hold on this run.
+
+    In a notebook it shows as one line, `ClaimFailed: 结论不成立：…`, and the notebook line that made
+    the claim — not the frames inside this module (trainmech.display.ShortTraceback).
+    """
 
 
 def log_checks_to(path: str | Path | None) -> None:
@@ -90,7 +96,7 @@ def claim(condition: bool, statement: str) -> None:
     holds = bool(condition)
     _log("claim", statement, holds)
     if not holds:
-        raise ClaimFailed(f"claim does not hold: {statement}")
+        raise ClaimFailed(f"结论不成立：{statement}")
     print(f"✓ {statement}")
 
 
@@ -100,7 +106,7 @@ def claim_at_most(value: float, limit: float, statement: str) -> None:
     holds = value <= limit
     _log("at_most", statement, holds, value, limit)
     if not holds:
-        raise ClaimFailed(f"claim does not hold: {statement} ({value:.3g} > {limit:.3g})")
+        raise ClaimFailed(f"结论不成立：{statement} ({value:.3g} > {limit:.3g})")
     print(f"✓ {statement}")
 
 
@@ -110,7 +116,7 @@ def claim_at_least(value: float, limit: float, statement: str) -> None:
     holds = value >= limit
     _log("at_least", statement, holds, value, limit)
     if not holds:
-        raise ClaimFailed(f"claim does not hold: {statement} ({value:.3g} < {limit:.3g})")
+        raise ClaimFailed(f"结论不成立：{statement} ({value:.3g} < {limit:.3g})")
     print(f"✓ {statement}")
 
 
@@ -118,7 +124,7 @@ def rel_error(ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float
     """(max |ours - reference|, that divided by max |reference|), computed in float64."""
     a, b = ours.detach().double(), reference.detach().double()
     if a.shape != b.shape:
-        raise ClaimFailed(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+        raise ClaimFailed(f"形状不同：{tuple(a.shape)} 对 {tuple(b.shape)}")
     diff = (a - b).abs().max().item() if a.numel() else 0.0
     scale = b.abs().max().item() if b.numel() else 0.0
     return diff, diff / max(scale, torch.finfo(torch.float64).tiny)
@@ -136,7 +142,7 @@ def close(name: str, ours: torch.Tensor, reference: torch.Tensor, *, rtol: float
     _log("close", name, ok, rel, rtol)
     if not ok:
         print(f"{name:<28} rel = {rel:.1e} > {rtol:.0e} ✗")
-        raise ClaimFailed(f"{name}: relative error {rel:.2e} exceeds {rtol:.0e}")
+        raise ClaimFailed(f"{name}：相对误差 {rel:.2e} 超过容限 {rtol:.0e}")
     print(f"{name:<28} rel ≤ {rtol:.0e} ✓")
     return diff
 
@@ -147,7 +153,7 @@ def equal(name: str, ours: torch.Tensor, reference: torch.Tensor) -> None:
     _log("equal", name, same)
     if not same:
         n = int((ours != reference).sum()) if ours.shape == reference.shape else -1
-        raise ClaimFailed(f"{name}: not bitwise equal ({n} element(s) differ)")
+        raise ClaimFailed(f"{name}：不是逐位相等（{n} 个元素不同）")
     print(f"{name:<28} bitwise equal ({ours.numel()} element(s))")
 
 
@@ -159,7 +165,7 @@ def raises(fn, fragment: str, exc: type[BaseException] = RuntimeError) -> None:
     try:
         fn()
     except exc as e:
-        claim(fragment in str(e), f"{exc.__name__} raised, saying: {fragment!r}")
+        claim(fragment in str(e), f"抛出 {exc.__name__}，报错里有 {fragment!r}")
         return
     _log("raises", f"expected {exc.__name__}: {fragment}", False)
-    raise ClaimFailed(f"expected a {exc.__name__} saying {fragment!r}, but nothing was raised")
+    raise ClaimFailed(f"结论不成立：应当抛出 {exc.__name__}（报错里有 {fragment!r}），却什么也没有抛出")

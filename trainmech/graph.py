@@ -77,3 +77,23 @@ def consumers(root: torch.Tensor, leaf: torch.Tensor) -> list[str]:
     A leaf used twice (a tied weight) has two; autograd sums them before writing leaf.grad.
     """
     return sorted(type(node).__name__ for node, nxt in edges(root) if getattr(nxt, "variable", None) is leaf)
+
+
+def saves_tensors(node: torch.autograd.graph.Node) -> bool:
+    """Whether a node keeps a tensor for its backward (a `_saved_*` attribute holding one).
+
+    Such a node is what a first backward frees: running backward through it again raises unless
+    the first call passed retain_graph=True. A node that keeps only sizes or scalars (Add, Sum)
+    can run again. Reading a saved tensor that was already freed raises; that node held one.
+    """
+    for name in dir(node):
+        if not name.startswith("_saved_") or name.endswith("_raw"):
+            continue
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # "... after they have already been freed"
+            return True
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, torch.Tensor) for v in values):
+            return True
+    return False

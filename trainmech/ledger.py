@@ -29,6 +29,8 @@ Two published formulas, with their sources, stand beside it: `zero_bytes_per_dev
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import math
 import os
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainmech.errors import TrainmechError
+from trainmech.errors import OneLineParser, TrainmechError
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "saved", "workspace")
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
@@ -47,6 +49,8 @@ OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
 DEVICES = ("cpu", "cuda")
 LAYER_BACKWARD_MOMENTS = ("down_proj", "mlp", "attention", "input_layernorm")
 BEFORE, AFTER = "before", "after"  # a state alive before the step starts / still alive after it ends
+MAX_LAYERS = 10_000  # the deepest published decoders have a few hundred layers
+MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB
 
 # ----------------------------------------------------------------------------- published formulas
 
@@ -122,6 +126,10 @@ class ModelShape:
 
     def parameter_tensors(self) -> list[tuple[str, int]]:
         """(name, elements) of every distinct parameter tensor; a tied head is not listed twice."""
+        return list(self._tensors)
+
+    @functools.cached_property
+    def _tensors(self) -> tuple[tuple[str, int], ...]:
         h, inner, q, kv = self.hidden_size, self.intermediate_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         out = [("model.embed_tokens.weight", self.vocab_size * h)]
         linears = [("self_attn.q_proj", q, h, self.qkv_bias), ("self_attn.k_proj", kv, h, self.qkv_bias),
@@ -136,11 +144,11 @@ class ModelShape:
         out += [("model.norm.weight", h)]
         if not self.tie_word_embeddings:
             out += [("lm_head.weight", self.vocab_size * h)]
-        return out
+        return tuple(out)
 
-    @property
+    @functools.cached_property
     def n_params(self) -> int:
-        return sum(n for _, n in self.parameter_tensors())
+        return sum(n for _, n in self._tensors)
 
 
 def load_config(source: Any) -> tuple[str, dict]:
@@ -153,11 +161,10 @@ def load_config(source: Any) -> tuple[str, dict]:
     path = Path(text).expanduser()
     if path.is_dir():
         path = path / "config.json"
-    if path.is_file():
-        try:
-            return str(path), json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise TrainmechError(f"{path} is not a JSON config file ({e.__class__.__name__}: {e})") from None
+    if os.path.lexists(path):
+        from trainmech.results import read_json
+
+        return str(path), read_json(path, "config file", MAX_CONFIG_BYTES, str(path))  # a regular file of bounded size
     from trainmech import profiles, workload
 
     for profile_id in profiles.available():
@@ -171,37 +178,59 @@ def load_config(source: Any) -> tuple[str, dict]:
     raise TrainmechError(f"{text!r} is neither a config.json file nor a profile model name ({', '.join(names)})")
 
 
+def _size(cfg: dict, key: str) -> int | None:
+    """A size the config may leave out (None); when given, a positive integer."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TrainmechError(f"{cfg.get('_name', 'the config')}: {key} must be a positive integer or absent, got {value!r}")
+    return value
+
+
 def model_shape(source: Any) -> ModelShape:
-    """The ModelShape of a causal-LM config; refuses configs that are not a supported decoder (one sentence)."""
+    """The ModelShape of a causal-LM config; refuses configs that are not a supported decoder or whose
+    sizes are not positive integers that divide as attention needs (one sentence each)."""
     name, cfg = load_config(source)
     if not isinstance(cfg, dict):
         raise TrainmechError(f"{name}: a config must be a JSON object, got {type(cfg).__name__}")
     archs = cfg.get("architectures") or []
-    if archs and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise TrainmechError(f"{name}: architectures must be a list of names, got {archs!r:.60}")
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         raise TrainmechError(f"{name} describes {', '.join(archs)}, not a causal LM (no *ForCausalLM architecture)")
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TrainmechError(
-            f"{name} has model_type {model_type!r}; the ledger knows the decoder layout of "
+            f"{name} has model_type {model_type!r:.40}; the ledger knows the decoder layout of "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (RMSNorm, rotary attention, SwiGLU MLP)")
     needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    missing = [k for k in needed if not isinstance(cfg.get(k), int) or cfg[k] <= 0]
+    missing = [k for k in needed if isinstance(cfg.get(k), bool) or not isinstance(cfg.get(k), int) or cfg[k] <= 0]
     if missing:
         raise TrainmechError(f"{name} lacks a positive integer for {', '.join(missing)}")
+    if cfg["num_hidden_layers"] > MAX_LAYERS:
+        raise TrainmechError(f"{name}: num_hidden_layers {cfg['num_hidden_layers']:,} is more than the {MAX_LAYERS:,} the ledger counts")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise TrainmechError(f"{name} has hidden_act {cfg['hidden_act']!r}; the ledger's MLP is SwiGLU (silu)")
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
+        raise TrainmechError(f"{name} has hidden_act {cfg['hidden_act']!r:.40}; the ledger's MLP is SwiGLU (silu)")
+    flags = [k for k in ("tie_word_embeddings", "attention_bias", "mlp_bias") if not isinstance(cfg.get(k, False), bool)]
+    if flags:
+        raise TrainmechError(f"{name}: {', '.join(flags)} must be true or false")
+    cfg = {**cfg, "_name": name}
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    kv_heads = _size(cfg, "num_key_value_heads") or heads
     if heads % kv_heads:
         raise TrainmechError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    attention_bias = bool(cfg.get("attention_bias", False))
+    head_dim = _size(cfg, "head_dim")
+    if head_dim is None and hidden % heads:
+        raise TrainmechError(f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and no head_dim is given)")
+    attention_bias = cfg.get("attention_bias", False)
     return ModelShape(
-        name=name, model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        name=name, model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=hidden,
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type != "llama")),
+        num_kv_heads=kv_heads, head_dim=head_dim or hidden // heads,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", model_type != "llama"),
         qkv_bias=model_type == "qwen2" or attention_bias, o_bias=model_type != "qwen2" and attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        mlp_bias=cfg.get("mlp_bias", False),
     )
 
 
@@ -390,12 +419,22 @@ class Ledger:
 
     def live(self) -> list[tuple[str, dict[str, int]]]:
         """(tick, bytes alive by category) for every tick of the step."""
-        rows = [dict.fromkeys(CATEGORIES, 0) for _ in self.ticks]
-        index = {t: k for k, t in enumerate(self.ticks)} | {BEFORE: -1, AFTER: len(self.ticks)}
+        return list(zip(self.ticks, self._alive))
+
+    @functools.cached_property
+    def _alive(self) -> list[dict[str, int]]:
+        """Bytes alive by category at each tick: one pass over the states and one over the ticks."""
+        n = len(self.ticks)
+        index = {t: k for k, t in enumerate(self.ticks)} | {BEFORE: -1, AFTER: n}
+        change = {c: [0] * n for c in CATEGORIES}  # bytes that become alive (+) or stop being alive (-) at a tick
         for st in self.states:  # alive from its created tick to its release tick, both included
-            for k in range(max(index[st.created], 0), min(index[st.release], len(self.ticks) - 1) + 1):
-                rows[k][st.category] += st.nbytes
-        return list(zip(self.ticks, rows))
+            first, last = max(index[st.created], 0), min(index[st.release], n - 1)
+            if first <= last:
+                change[st.category][first] += st.nbytes
+                if last + 1 < n:
+                    change[st.category][last + 1] -= st.nbytes
+        alive = {c: list(itertools.accumulate(change[c])) for c in CATEGORIES}
+        return [{c: alive[c][k] for c in CATEGORIES} for k in range(n)]
 
     def by_phase(self) -> dict[str, int]:
         """Phase -> most bytes alive at any of its ticks."""
@@ -500,9 +539,9 @@ def _forward_states(shape: ModelShape, b: int, s: int, r: Recipe, checkpointing:
            State("rope.cos_sin", "saved", 2 * s * d * e, "forward.embed", "backward.layer.0:attention")]
     if low:  # the 16-bit embedding output: nobody saves it, but Qwen2Model.forward holds it to the end of the layers
         out.append(State("embed.out", "activations", b * s * h * e, "forward.embed", "forward.head:norm"))
+    rows = layer_saved(shape, b, s, r.name, kernel)  # the same inventory for every layer
     for i in range(n):
         here, prev = f"forward.layer.{i}", "forward.embed" if i == 0 else f"forward.layer.{i - 1}"
-        rows = layer_saved(shape, b, s, r.name, kernel)
         if checkpointing == "full":  # only the layer input is kept; the rest is rebuilt in the backward
             out.append(State(f"layer.{i}.checkpoint_input", "saved", b * s * h * e, prev, f"backward.layer.{i}:input_layernorm"))
             out += [State(f"layer.{i}.{t.name}", "saved", t.nbytes, f"backward.layer.{i}:recompute",
@@ -730,14 +769,8 @@ def render(book: Ledger) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other refusal
-        print(f"trainmech: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="python -m trainmech ledger",
         description="Training-state ledger: bytes of parameters, gradients, optimizer states, activations, saved "
                     "tensors and workspace over one training step, the phase of the peak and what it is made of. "

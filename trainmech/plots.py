@@ -2,7 +2,9 @@
 
 Each function returns a matplotlib Figure and closes it from pyplot's registry, so a notebook
 shows it exactly once by making it the cell's last expression. Labels use the glossary's English
-names (the code's vocabulary); the notebook's Chinese prose explains the picture.
+names (the code's vocabulary); the notebook's Chinese prose explains the picture. Importing this
+module configures an installed CJK font for Chinese text (trainmech.fonts; `fonts.label(zh, en)`
+falls back to English where the machine has none, so a figure never shows empty boxes).
 """
 
 from __future__ import annotations
@@ -10,6 +12,11 @@ from __future__ import annotations
 import re
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
+
+from trainmech import fonts
+
+fonts.configure()
 
 
 def _figure(ncols: int, width: float = 4.2, height: float = 3.0):
@@ -84,30 +91,47 @@ def grad_fn_graph(root, *, max_nodes: int | None = None, names: dict | None = No
         pos[node] = (level[node], k - (count[level[node]] - 1) / 2)
     labelled = len(kept) <= 40
     depth, tall = max(count) + 1, max(count.values())
-    fig, (ax,) = _figure(1, min(16.0, max(6.0, depth * (0.62 if labelled else 0.15))), 0.7 * tall + (2.2 if labelled else 1.6))
+    width = min(16.0, max(6.0, depth * (0.62 if labelled else 0.15)))
+    fig, (ax,) = _figure(1, width, 0.7 * tall + (2.2 if labelled else 1.6))
+    inches_per_level = width / (depth + 3)
 
     by_id = {id(t): name for name, t in (names or {}).items()}
+    hot_edges = []
     for a, b in graph.edges(root):
         if a in pos and b in pos:
-            hot = highlight is not None and getattr(b, "variable", None) is highlight
+            if highlight is not None and getattr(b, "variable", None) is highlight:
+                hot_edges.append((a, b))  # drawn last, on top of every node and edge
+                continue
             (xa, ya), (xb, yb) = pos[a], pos[b]
-            ax.plot([xa, xb], [ya, yb], color="tab:red" if hot else "0.7", lw=1.8 if hot else 0.7, zorder=1)
+            ax.plot([xa, xb], [ya, yb], color="0.7", lw=0.7, zorder=1)
     for kind, (_, colour) in _KINDS.items():
         members = [n for n in kept if _node_kind(n) == kind]
         if members:
             ax.scatter([pos[n][0] for n in members], [pos[n][1] for n in members], s=40 if labelled else 16,
                        color=colour, label=f"{kind}: {len(members)}", zorder=2)
+    for a, b in hot_edges:  # one arc per use of the highlighted leaf, bowing above the graph so none hides another
+        span = max(pos[b][0] - pos[a][0], 1) * inches_per_level  # the edge's length on the figure, inches
+        bow = -min(4.0, max(0.08, 0.7 / span))                    # a short edge bows relatively more: about 0.3 inch high
+        ax.annotate("", xy=pos[b], xytext=pos[a], zorder=4, annotation_clip=False,
+                    arrowprops=dict(arrowstyle="-|>", color="tab:red", lw=1.8, shrinkA=3, shrinkB=3,
+                                    connectionstyle=f"arc3,rad={bow:.3f}"))
+        ax.annotate(_short_type(a), pos[a], xytext=(0, -9), textcoords="offset points", fontsize=7, ha="center",
+                    va="top", color="tab:red", zorder=4)
     for n in kept:
         leaf = getattr(n, "variable", None)
         if labelled or (leaf is not None and leaf is highlight):
             text = by_id.get(id(leaf), "leaf") if leaf is not None else _short_type(n)
-            ax.annotate(text, pos[n], xytext=(2, 5), textcoords="offset points", fontsize=7,
-                        rotation=30 if labelled else 0, ha="left" if labelled else "right", va="bottom",
+            below = labelled and pos[n][1] < 0  # labels of the lower rows hang below them: no label crosses another
+            lifted = not labelled                # the highlighted leaf's name sits above the arcs that point at it
+            ax.annotate(text, pos[n], xytext=(2, -6 if below else 22 if lifted else 5), textcoords="offset points", fontsize=7,
+                        rotation=-35 if below else (35 if labelled else 0), rotation_mode="anchor",
+                        ha="left" if labelled else "right", va="top" if below else "bottom",
                         color="tab:red" if leaf is not None and leaf is highlight else "black")
     ax.set(xlabel="level = longest path from the root's grad_fn (backward runs left to right)", yticks=[],
            title=f"backward graph: {len(kept)} of {len(level)} nodes")
-    ax.set_ylim(-tall / 2, tall / 2 + (0.9 if labelled else 0.3))
-    ax.set_xlim(-0.5, depth + (1.5 if labelled else 0.5))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(-tall / 2 - (1.2 if labelled else 0.3), tall / 2 + (1.2 if labelled else 0.8))
+    ax.set_xlim(-0.5, depth + (2.5 if labelled else 0.5))
     ax.spines[["left", "right", "top"]].set_visible(False)
     fig.legend(loc="outside lower center", ncols=3, fontsize=7, frameon=False)
     return fig
@@ -143,19 +167,56 @@ def _mark_skips(ax, skipped: list[int]) -> None:
 
 
 def precision_runs(losses: dict[str, list[float | None]], loss_scale: list[float], skipped: list[int]):
-    """Left: loss per update attempt for each precision. Right: the FP16 loss scale after each attempt."""
-    fig, (ax_loss, ax_scale) = _figure(2)
+    """Left: the FP32 loss per update attempt. Middle: every other precision's loss minus FP32's (a delta
+    plotted as a delta: on one loss axis the curves coincide). Right: the FP16 loss scale after each attempt."""
+    fig, (ax_loss, ax_delta, ax_scale) = _figure(3, 3.6)
+    reference = losses["fp32"]
+    nan = float("nan")
+    ax_loss.plot(range(len(reference)), [nan if y is None else y for y in reference], marker=".", color="tab:blue")
+    ax_loss.set(xlabel="update attempt", ylabel="FP32 token loss (nats)", title="loss per attempt")
     for name, ys in losses.items():
-        ax_loss.plot(range(len(ys)), [float("nan") if y is None else y for y in ys], marker=".", label=name)
-    _mark_skips(ax_loss, skipped)
-    ax_loss.set(xlabel="update attempt", ylabel="token loss (nats)", title="loss per attempt")
-    ax_loss.legend(fontsize=8)
+        if name != "fp32":
+            ax_delta.plot(range(len(ys)), [nan if y is None or r is None else y - r for y, r in zip(ys, reference)],
+                          marker=".", label=f"{name} − fp32")
+    ax_delta.axhline(0.0, color="black", lw=0.8)
+    ax_delta.set(xlabel="update attempt", ylabel="loss − FP32 loss (nats)", title="difference from FP32")
+    ax_delta.legend(fontsize=7, loc="best")
     ax_scale.step(range(len(loss_scale)), loss_scale, where="post", color="tab:green")
-    _mark_skips(ax_scale, skipped)
     ax_scale.set_yscale("log", base=2)
     ax_scale.set(xlabel="update attempt", ylabel="loss_scale", title="GradScaler scale")
-    for ax in (ax_loss, ax_scale):
+    for ax in (ax_loss, ax_delta, ax_scale):
+        _mark_skips(ax, skipped)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
+    return fig
+
+
+def fp16_gradient_range(grads, *, scale: float, label: str):
+    """Histogram of log2 |g| for the nonzero elements of `grads`, unscaled and × scale, against FP16's range.
+
+    Shaded: below the smallest subnormal 2^-24 (rounds to 0), the subnormals [2^-24, 2^-14) (fewer
+    mantissa bits), above the largest finite 65504 (overflows to inf).
+    """
+    import math
+
+    import torch
+
+    g = grads.detach().abs().double()
+    g = g[g > 0]
+    fig, (ax,) = _figure(1, 7.6, 3.4)
+    shifted = math.log2(scale)
+    lo, hi = math.floor(float(g.min().log2())), math.ceil(float(g.max().log2()) + shifted)
+    bins = [lo - 1 + k * 0.5 for k in range(int(2 * (hi - lo + 3)))]
+    log2 = torch.log2(g).tolist()
+    ax.hist(log2, bins=bins, alpha=0.6, label=label)
+    ax.hist([x + shifted for x in log2], bins=bins, alpha=0.6, label=f"{label} × loss_scale 2^{shifted:g}")
+    ax.axvspan(bins[0], -24, color="tab:red", alpha=0.12, label="FP16: rounds to 0 (< 2^-24)")
+    ax.axvspan(-24, -14, color="tab:orange", alpha=0.12, label="FP16: subnormal [2^-24, 2^-14)")
+    ax.axvspan(math.log2(65504), max(bins[-1], 17), color="tab:purple", alpha=0.12, label="FP16: overflow (> 65504)")
+    ax.set(xlabel="log2 |gradient element|", ylabel="elements", title="gradient magnitudes against the FP16 range")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.legend(loc="outside lower center", ncols=2, fontsize=7, frameon=False)
+    ax.grid(alpha=0.3, axis="y")
     return fig
 
 
@@ -186,21 +247,28 @@ def update_dynamics(runs: dict[str, dict[str, list[float]]]):
         for name, series in runs.items():
             ax.plot(range(1, len(series[key]) + 1), series[key], marker=".", label=name)
         ax.set(xlabel="effective update", ylabel=label, yscale=scale)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=len(runs), fontsize=7, frameon=False)
     return fig
 
 
 def continual_pretrain(before: dict[str, float], after: dict[str, float]):
-    """Token loss per evaluation set before and after continued pretraining (grouped bars)."""
+    """The change of token loss per evaluation set after continued pretraining: Δ = after − before, from 0.
+
+    A delta drawn as a delta: the bars start at 0, below it the loss fell; each bar is labelled
+    with its value, so no legend is needed.
+    """
     fig, (ax,) = _figure(1, 4.6, 3.0)
     names = list(before)
-    xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], [before[n] for n in names], 0.4, label="0 updates")
-    ax.bar([x + 0.2 for x in xs], [after[n] for n in names], 0.4, label="after domain updates")
-    ax.set(xticks=list(xs), xticklabels=names, ylabel="token loss (nats)", title="domain vs retention")
-    ax.set_ylim(0, None)                      # from 0: a truncated axis would exaggerate the change
-    ax.legend(fontsize=8)
+    deltas = [after[n] - before[n] for n in names]
+    bars = ax.bar(range(len(names)), deltas, 0.5, color=["tab:blue" if d < 0 else "tab:red" for d in deltas])
+    ax.bar_label(bars, labels=[f"{d:+.2f}" for d in deltas], fontsize=8, padding=2)
+    ax.axhline(0.0, color="black", lw=0.8)
+    ax.set(xticks=list(range(len(names))), xticklabels=names, ylabel="Δ token loss (nats): after − before",
+           title="continued pretraining: change per set")
+    low, high = min(0.0, *deltas), max(0.0, *deltas)
+    ax.set_ylim(low - 0.2 * (high - low or 1), high + 0.2 * (high - low or 1))
     ax.grid(alpha=0.3, axis="y")
     return fig
 
@@ -353,17 +421,59 @@ def saved_bytes_vs_length(lengths: list[int], series: dict[str, list[int]]):
     return fig
 
 
-def grad_errors(names: list[str], errors: dict[str, list[float]], tolerances: dict[str, float]):
-    """Task2: relative error of every parameter's gradient (hand-written vs autograd), one marker
-    series per dtype on a log scale, with each dtype's tolerance as a dashed line."""
-    fig, (ax,) = _figure(1, max(5.0, 0.22 * len(names)), 4.2)
-    for (label, values), colour in zip(errors.items(), ("tab:blue", "tab:orange", "tab:green")):
-        ax.plot(range(len(names)), [max(v, 1e-18) for v in values], "o", ms=4, color=colour, label=label)
-        ax.axhline(tolerances[label], color=colour, ls="--", lw=0.8)
-    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
-    ax.set(yscale="log", ylabel="max|Δ| / max|autograd|", title="every parameter gradient vs autograd (dashed: tolerance)")
-    ax.legend(fontsize=7)
+def grad_errors(names: list[str], errors: dict[str, list[float]], tolerances: dict[str, float | None]):
+    """Task2: relative error of every parameter's gradient against autograd, one marker series per
+    comparison (log scale, parameters listed top to bottom in model order, readable names). A series
+    with a tolerance gets it as a dashed line of its colour; one without (a planted bug) is drawn as
+    red crosses, so the gap between a rounding error and a wrong formula reads off one axis."""
+    fig, (ax,) = _figure(1, 7.6, max(3.6, 0.2 * len(names) + 1.2))
+    rows = list(range(len(names)))
+    for (label, values), colour in zip(errors.items(), ("tab:blue", "tab:orange", "tab:red")):
+        tol = tolerances.get(label)
+        ax.plot([max(v, 1e-18) for v in values], rows, "x" if tol is None else "o", ms=5 if tol is None else 4,
+                color="tab:red" if tol is None else colour, label=label)
+        if tol is not None:
+            ax.axvline(tol, color=colour, ls="--", lw=0.8)
+    ax.set_yticks(rows, names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xscale="log", xlabel="max|Δ| / max|autograd|  (dashed: tolerance)", title="every parameter gradient vs autograd")
+    fig.legend(loc="outside lower center", ncols=len(errors), fontsize=7, frameon=False)
+    ax.grid(alpha=0.3, axis="x")
+    return fig
+
+
+def saved_bytes_by_op(rows: dict[str, tuple[int, int]]):
+    """Task2: bytes one op keeps for backward, ours (hand-written saved dict) next to autograd's, per op
+    (float32, parameters by reference excluded); each bar labelled with its bytes."""
+    fig, (ax,) = _figure(1, 8.4, 3.6)
+    ops = list(rows)
+    xs = range(len(ops))
+    for k, (label, colour) in enumerate((("ours (saved dict)", "tab:blue"), ("autograd (measured)", "tab:orange"))):
+        bars = ax.bar([x + (k - 0.5) * 0.38 for x in xs], [rows[op][k] for op in ops], 0.38, color=colour, label=label)
+        ax.bar_label(bars, labels=[f"{rows[op][k]:,}" for op in ops], fontsize=6, rotation=90, padding=2)
+    ax.set_xticks(list(xs), ops, rotation=20, ha="right", fontsize=8)
+    ax.set(ylabel="saved bytes (float32)", title="what each op keeps for backward")
+    ax.set_ylim(0, 1.3 * max(max(v) for v in rows.values()))
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
     ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def activation_split(rows: dict[str, tuple[int, int]]):
+    """Task2: a layer's forward activations per implementation, split into the bytes kept for backward
+    and the bytes never saved (stacked horizontal bars, each part labelled)."""
+    fig, (ax,) = _figure(1, 7.6, 0.6 * len(rows) + 1.4)
+    names = list(rows)
+    kept = [rows[n][0] for n in names]
+    never = [rows[n][1] for n in names]
+    a = ax.barh(names, kept, color="tab:blue", label="kept for backward")
+    b = ax.barh(names, never, left=kept, color="tab:gray", alpha=0.6, label="never saved")
+    ax.bar_label(a, labels=[f"{v:,}" for v in kept], label_type="center", fontsize=7, color="white")
+    ax.bar_label(b, labels=[f"{v:,}" for v in never], label_type="center", fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel="bytes created by the forward (float32)", title="one decoder layer: kept vs never saved")
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+    ax.grid(alpha=0.3, axis="x")
     return fig
 
 

@@ -201,8 +201,8 @@ def execute(path: str, notebooks: list[Path], out_dir: Path, timeout: float = 12
     per notebook.
     """
     import nbformat
-    from nbclient import NotebookClient
 
+    from trainmech.execution import notebook_client
     from trainmech.runner import records_into
 
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -211,8 +211,7 @@ def execute(path: str, notebooks: list[Path], out_dir: Path, timeout: float = 12
     with environment(PATHS[path]), records_into(out_dir):
         for nb_path in notebooks:
             nb = nbformat.read(nb_path, as_version=4)
-            client = NotebookClient(nb, timeout=int(timeout), kernel_name="python3", record_timing=False,
-                                    resources={"metadata": {"path": str(nb_path.parent)}})
+            client = notebook_client(nb, nb_path, timeout=int(timeout))
             t0 = time.perf_counter()
             try:
                 client.execute()

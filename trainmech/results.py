@@ -2,7 +2,9 @@
 
 One JSON file per experiment and workload, `<semantic_id>__<workload_id>.json`, with the six
 field groups of the registry's public result fields plus free-form `metrics`. A value that does
-not apply is null. `registry_markdown(records)` renders the asset registry's table with each
+not apply is null. Records are strict: JSON types only (no "5" for 5), no negative bytes, times or
+counts, the file name is the record's identity, the run label is the folder's name, and GPU
+evidence needs a GPU. `registry_markdown(records)` renders the asset registry's table with each
 experiment's evidence status derived from the records of one run.
 """
 
@@ -11,20 +13,25 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tempfile
 import tomllib
 from collections import defaultdict
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainmech.errors import TrainmechError
 
-SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_ENV = "TRAINMECH_RESULTS_DIR"  # where a session writes its records when the runner or a test sets it
+RESULTS_ENV = "TRAINMECH_RESULTS_DIR"  # where kernels write records when the runner or the tests say so
+
+SCHEMA_VERSION = 2  # 2: the environment names the CPU, its ISA, BLAS, oneDNN, threads (1 is read as 2 with those null)
+MAX_RECORD_BYTES = 1 << 20  # a record is a few KB; anything larger is not one
+MAX_LABEL_LENGTH = 100  # a label is a folder name, with room for .staging-…-<pid> beside it
+PARTIAL_SUFFIX = ".partial"  # results/<label>.partial/: a run that did not complete (see trainmech.runner)
 LABEL_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*\Z")  # \Z: `$` would let a trailing newline in
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 
@@ -34,10 +41,14 @@ EVIDENCE_LEVELS = ("cpu-mechanism", "not-measured", "gpu-measured")
 Evidence = Literal["cpu-mechanism", "not-measured", "gpu-measured"]
 Decision = Literal["accept", "tune", "reject"]
 Scalar = float | int | str | bool | None
+Count = Annotated[int, Field(ge=0)]  # bytes, counts, updates
+Seconds = Annotated[float, Field(ge=0)]
+Error = Annotated[float, Field(ge=0)]  # a max abs error
 
 
 class _Group(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # JSON has no NaN / Infinity
+    # strict: a JSON string is never read as a number, a float never as an int; JSON has no NaN / Infinity
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class Identity(_Group):
@@ -57,8 +68,8 @@ class Identity(_Group):
 
 
 class EffectiveBatch(_Group):
-    sequences: int | None = None
-    supervised_tokens: int | None = None
+    sequences: Count | None = None
+    supervised_tokens: Count | None = None
 
 
 class Workload(_Group):
@@ -66,11 +77,18 @@ class Workload(_Group):
     model_commit: str | None = None
     model_weights: str
     tokenizer: str
-    input_shape: list[int]
+    input_shape: list[Annotated[int, Field(ge=1)]]
     effective_batch: EffectiveBatch
-    update_count: int | None = None
+    update_count: Count | None = None
     dtype: str
     seed: int
+
+
+class NumericEnv(_Group):
+    """The variables that choose CPU numeric paths, as set for the run (null: not set)."""
+
+    ATEN_CPU_CAPABILITY: str | None = None
+    MKL_CBWR: str | None = None
 
 
 class Environment(_Group):
@@ -82,25 +100,32 @@ class Environment(_Group):
     accelerate: str | None
     cuda: str | None
     gpu: str | None
-    gpu_memory_bytes: int | None
+    gpu_memory_bytes: Count | None
     device: str
+    # provenance of the numbers (schema 2): which CPU and which kernels computed them
+    cpu: str | None = None  # the CPU model
+    cpu_capability: str | None = None  # the ISA torch dispatches to: torch.backends.cpu.get_cpu_capability()
+    blas: str | None = None  # e.g. "mkl 2024.2"
+    onednn: str | None = None  # the oneDNN (MKL-DNN) version
+    intra_op_threads: Annotated[int, Field(ge=1)] | None = None
+    numeric_env: NumericEnv = Field(default_factory=NumericEnv)
 
 
 class Correctness(_Group):
-    output_max_abs_error: float | None = None
-    grad_max_abs_error: float | None = None
+    output_max_abs_error: Error | None = None
+    grad_max_abs_error: Error | None = None
     all_finite: bool | None = None
-    skipped_updates: int | None = None
-    effective_updates: int | None = None
+    skipped_updates: Count | None = None
+    effective_updates: Count | None = None
 
 
 class Resources(_Group):
-    peak_allocated_bytes: int | None = None
-    peak_reserved_bytes: int | None = None
-    step_time_median_s: float | None = None
-    step_time_p95_s: float | None = None
-    transfer_bytes: int | None = None
-    recompute_count: int | None = None
+    peak_allocated_bytes: Count | None = None
+    peak_reserved_bytes: Count | None = None
+    step_time_median_s: Seconds | None = None
+    step_time_p95_s: Seconds | None = None
+    transfer_bytes: Count | None = None
+    recompute_count: Count | None = None
 
 
 class Conclusion(_Group):
@@ -111,7 +136,7 @@ class Conclusion(_Group):
 
 
 class Record(_Group):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2]
     identity: Identity
     workload: Workload
     environment: Environment
@@ -120,32 +145,65 @@ class Record(_Group):
     conclusion: Conclusion
     metrics: dict[str, Scalar | list[Scalar] | dict[str, Scalar]] = Field(default_factory=dict)
 
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _an_integer(cls, v: Any) -> Any:
+        if type(v) is not int:  # Literal[2] alone lets 2.0 through
+            raise ValueError(f"schema_version must be the integer {SCHEMA_VERSION}")
+        return v
+
+    @model_validator(mode="after")
+    def _evidence_matches_the_environment(self) -> Record:
+        env = self.environment
+        if self.conclusion.evidence_level == "gpu-measured" and not (env.device.startswith("cuda") and env.gpu):
+            raise ValueError(f"evidence_level gpu-measured needs a CUDA device and a named gpu, but device is {env.device!r}")
+        return self
+
     @property
     def filename(self) -> str:
         return f"{self.identity.semantic_id}__{self.identity.workload_id}.json"
 
 
 def check_label(label: object) -> str:
-    """A run label becomes a folder name: [A-Za-z0-9._-] only, not empty, no leading dot."""
-    if not isinstance(label, str) or not LABEL_RE.match(label):
+    """A run label becomes a folder name: 1 to 100 of [A-Za-z0-9._-], no leading dot."""
+    if not isinstance(label, str) or not LABEL_RE.match(label) or len(label) > MAX_LABEL_LENGTH:
+        text = repr(label if not isinstance(label, str) or len(label) <= 40 else label[:40] + "…")
         raise TrainmechError(
-            f"invalid run label {label!r}: use letters, digits, '.', '_' or '-' only, not starting with a dot"
+            f"invalid run label {text}: use 1 to {MAX_LABEL_LENGTH} letters, digits, '.', '_' or '-', "
+            "not starting with a dot"
         )
     return label
 
 
+def run_label_of(folder: Path) -> str:
+    """The run label whose records a results folder holds: its name, less `.partial`."""
+    return Path(folder).name.removesuffix(PARTIAL_SUFFIX)
+
+
 def validate(data: dict[str, Any]) -> Record:
-    """The Record for data, or a one-sentence TrainmechError naming the first problem."""
+    """The Record for data (schema_version added when absent), or a one-sentence TrainmechError."""
     try:
-        return Record.model_validate(data)
+        return Record.model_validate({"schema_version": SCHEMA_VERSION, **_plain(data)})
     except ValidationError as e:
         raise TrainmechError(f"record does not validate: {_first_error(e)}") from None
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists and numpy / torch scalars as Python numbers: what the JSON file will hold."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if not isinstance(value, (str, int, float, bool, type(None))) and hasattr(value, "item"):
+        return value.item()
+    return value
 
 
 def write_record(record: Record | dict[str, Any], directory: Path) -> Path:
     """Validate, then write atomically (temporary file in the same folder + rename)."""
     if not isinstance(record, Record):
         record = validate(record)
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / record.filename
     text = json.dumps(record.model_dump(mode="json"), ensure_ascii=False, indent=2, allow_nan=False) + "\n"
@@ -162,16 +220,60 @@ def write_record(record: Record | dict[str, Any], directory: Path) -> Path:
     return path
 
 
-def read_record(path: Path) -> Record:
-    """Read and validate one record; a malformed file is refused with one sentence naming it."""
+def shown(path: Path) -> str:
+    """A file's name fit for a one-line message (escaped when it holds control characters)."""
+    name = Path(path).name
+    return name if name.isprintable() else ascii(name)
+
+
+def read_json(path: Path, what: str = "file", max_bytes: int = MAX_RECORD_BYTES, name: str | None = None) -> Any:
+    """The JSON value of a regular file of at most max_bytes; anything else is refused in one sentence
+    naming it: "<what> <name>" (name: the file's name unless given)."""
+    path, name = Path(path), name or shown(path)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise TrainmechError(f"record {Path(path).name} is not readable JSON ({e})") from None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the open
+    except FileNotFoundError:
+        raise TrainmechError(f"{what} {name} does not exist") from None
+    except OSError as e:
+        raise TrainmechError(f"{what} {name} cannot be opened ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # /dev/zero, a FIFO, a folder: never read
+        os.close(fd)
+        raise TrainmechError(f"{what} {name} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            raw = f.read(max_bytes + 1)
+        except OSError as e:
+            raise TrainmechError(f"{what} {name} cannot be read ({e.strerror})") from None
+    if len(raw) > max_bytes:
+        raise TrainmechError(f"{what} {name} is larger than {max_bytes:,} bytes")
     try:
-        return Record.model_validate(data)
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise TrainmechError(f"{what} {name} is not UTF-8 text (bad byte at offset {e.start})") from None
+    except RecursionError:
+        raise TrainmechError(f"{what} {name} is not readable JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, or an integer too long to convert
+        raise TrainmechError(f"{what} {name} is not readable JSON ({_one_line(str(e))})") from None
+
+
+def read_record(path: Path, run_label: str | None = None) -> Record:
+    """Read and validate one record; refused in one sentence naming the file: unreadable, malformed,
+    a file name other than its identity, or (when run_label is given) another run's record."""
+    path = Path(path)
+    data = read_json(path, "record")
+    if isinstance(data, dict) and type(data.get("schema_version")) is int and data["schema_version"] == 1:
+        data = {**data, "schema_version": SCHEMA_VERSION}  # schema 1 lacks only the provenance fields: null
+    try:
+        record = Record.model_validate(data)
     except ValidationError as e:
-        raise TrainmechError(f"record {Path(path).name} is malformed: {_first_error(e)}") from None
+        raise TrainmechError(f"record {shown(path)} is malformed: {_first_error(e)}") from None
+    if path.name != record.filename:
+        raise TrainmechError(f"record {shown(path)} has the identity of {record.filename}; a record's file name is its identity")
+    if run_label is not None and record.identity.run_label != run_label:
+        raise TrainmechError(
+            f"record {shown(path)} belongs to run {record.identity.run_label!r}, not to {run_label!r} whose folder holds it"
+        )
+    return record
 
 
 def record_paths(directory: Path) -> list[Path]:
@@ -179,13 +281,30 @@ def record_paths(directory: Path) -> list[Path]:
 
 
 def read_records(directory: Path) -> list[Record]:
-    return [read_record(p) for p in record_paths(directory)]
+    """Every record of a run folder; the first invalid one is refused (see read_run to list them instead)."""
+    return [read_record(p, run_label_of(directory)) for p in record_paths(directory)]
+
+
+def read_run(directory: Path, run_label: str | None = None) -> tuple[list[Record], dict[str, str]]:
+    """(valid records, {file name: why it is invalid}) of a run folder; run_label defaults to the folder's."""
+    label = run_label_of(directory) if run_label is None else run_label
+    records, invalid = [], {}
+    for path in record_paths(directory):
+        try:
+            records.append(read_record(path, label))
+        except TrainmechError as e:
+            invalid[shown(path)] = str(e)
+    return records, invalid
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
     where = ".".join(str(x) for x in err["loc"]) or "record"
-    return f"{where}: {err['msg']} ({len(e.errors())} error(s) in all)"
+    return _one_line(f"{where}: {err['msg']} ({len(e.errors())} error(s) in all)")
 
 
 def json_schema() -> dict[str, Any]:
@@ -228,8 +347,9 @@ def _page(e: dict) -> str:
     return e["page"] if e["page"] == task else f"{e['page']} → {task}"
 
 
-def registry_markdown(records: list[Record], run_label: str | None = None) -> str:
-    """The asset registry's table for one run: every experiment, its status from the records."""
+def registry_markdown(records: list[Record], run_label: str | None = None, invalid: dict[str, str] | None = None) -> str:
+    """The asset registry's table for one run: every experiment, its status from the records;
+    invalid ({file name: reason}, see read_run) are listed below the table, not counted in it."""
     by_id: dict[str, list[Record]] = defaultdict(list)
     for r in records:
         by_id[r.identity.semantic_id].append(r)
@@ -251,6 +371,10 @@ def registry_markdown(records: list[Record], run_label: str | None = None) -> st
     extra = sorted(set(by_id) - known)
     for sid in extra:
         lines.append(f"| {sid} / — | — | — | {evidence_status(by_id[sid])} | — |")
+    if invalid:
+        lines += ["", f"## 无效记录（invalid records）：{len(invalid)} 个", "",
+                  "下列文件不是这次运行的有效结果记录，没有计入上表：", ""]
+        lines += [f"- `{name}`: {reason}" for name, reason in sorted(invalid.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -261,12 +385,7 @@ def runs_with_evidence(root: Path, level: str = "gpu-measured") -> dict[str, lis
         raise TrainmechError(f"unknown evidence level {level!r}; valid: {', '.join(EVIDENCE_LEVELS)}")
     found: dict[str, list[Record]] = {}
     for folder in sorted(p for p in Path(root).iterdir() if p.is_dir() and LABEL_RE.match(p.name) and not p.name.startswith(".")):
-        records = []
-        for path in record_paths(folder):
-            try:
-                records.append(read_record(path))
-            except TrainmechError:
-                continue
+        records, _ = read_run(folder)
         if any(r.conclusion.evidence_level == level for r in records):
             found[folder.name] = records
     return found

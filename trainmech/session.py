@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 import platform
 import random
+import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,9 @@ import torch
 from trainmech import checks, profiles, results, workload
 from trainmech.errors import TrainmechError
 from trainmech.results import REPO_ROOT, RESULTS_ENV  # noqa: F401  (re-exported: notebooks import them from here)
+
+CPU_THREADS = 1  # intra-op threads of a CPU-mode session (see start)
+NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")  # variables that pick other CPU kernels or MKL code paths
 
 
 def seed_everything(seed: int) -> None:
@@ -34,8 +40,47 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux /proc/cpuinfo, macOS sysctl), else the machine's architecture."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model Name", "cpu model", "Hardware") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5)
+            if out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine() or None
+
+
+def provenance(intra_op_threads: int | None = None) -> dict[str, Any]:
+    """What decides the CPU's numbers: CPU model, the ISA torch dispatches to, BLAS and oneDNN
+    versions (from torch.__config__), intra-op threads (default: this process's), numeric-path variables."""
+    config = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=(\w+)", config)
+    mkl = re.search(r"Math Kernel Library Version ([\d.]*\d)", config)
+    onednn = re.search(r"(?:MKL-DNN|oneDNN) v([\d.]*\d)", config)
+    blas_name = {"open": "openblas"}.get(blas.group(1), blas.group(1)) if blas else None
+    return {
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "blas": f"mkl {mkl.group(1)}" if blas_name == "mkl" and mkl else blas_name,
+        "onednn": onednn.group(1) if onednn else None,
+        "intra_op_threads": torch.get_num_threads() if intra_op_threads is None else intra_op_threads,
+        "numeric_env": {name: os.environ.get(name) for name in NUMERIC_ENV},
+    }
+
+
 def capture_environment(profile: profiles.Profile, device: torch.device) -> dict[str, Any]:
-    """The record's `environment` group: versions actually imported, device and GPU facts."""
+    """The record's `environment` group: versions actually imported, device and GPU facts, and the
+    provenance of CPU numbers (call it after the thread count is set)."""
     import transformers
 
     try:
@@ -57,6 +102,7 @@ def capture_environment(profile: profiles.Profile, device: torch.device) -> dict
         "gpu": props.name if props else None,
         "gpu_memory_bytes": int(props.total_memory) if props else None,
         "device": str(device),
+        **provenance(),
     }
 
 
@@ -179,7 +225,7 @@ def start(
         # One intra-op thread makes float reductions independent of the core count (and the small
         # CPU models gain nothing from more threads).
         torch.use_deterministic_algorithms(True)
-        torch.set_num_threads(1)
+        torch.set_num_threads(CPU_THREADS)
     if results_dir is None:
         results_dir = os.environ.get(RESULTS_ENV) or REPO_ROOT / "results" / run_label
     if notebook is not None:

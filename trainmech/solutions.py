@@ -62,19 +62,19 @@ def rms_norm_backward(saved, grad_out):
 
 
 def attention_backward(saved, grad_out):
-    """saved = {q (B, H, T, D), k, v (B, Hkv, S, D), probs (B, H, T, S), scale}  ->  (dq, dk, dv)."""
+    """saved = {q (B, H, T, D), k, v (B, Hkv, Tk, D), probs (B, H, T, Tk), scale}  ->  (dq, dk, dv)."""
     q, k, v, P, s = saved["q"], saved["k"], saved["v"], saved["probs"], saved["scale"]
     B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
+    Hkv, Tk = k.shape[1], k.shape[2]
     G = H // Hkv                                               # query heads per kv head
-    qg, Pg = q.reshape(B, Hkv, G, T, D), P.reshape(B, Hkv, G, T, S)
+    qg, Pg = q.reshape(B, Hkv, G, T, D), P.reshape(B, Hkv, G, T, Tk)
     dO = grad_out.reshape(B, Hkv, G, T, D)
-    kg, vg = k.unsqueeze(2), v.unsqueeze(2)                    # (B, Hkv, 1, S, D) shared by the group
-    dv = (Pg.transpose(-1, -2) @ dO).sum(2)                    # (B, Hkv, S, D) O = P V; the group's heads add
-    dP = dO @ vg.transpose(-1, -2)                             # (B, Hkv, G, T, S)
+    kg, vg = k.unsqueeze(2), v.unsqueeze(2)                    # (B, Hkv, 1, Tk, D) shared by the group
+    dv = (Pg.transpose(-1, -2) @ dO).sum(2)                    # (B, Hkv, Tk, D) O = P V; the group's heads add
+    dP = dO @ vg.transpose(-1, -2)                             # (B, Hkv, G, T, Tk)
     dS = Pg * (dP - (dP * Pg).sum(-1, keepdim=True)) * s       # softmax backward, then the scale
     dq = (dS @ kg).reshape(B, H, T, D)
-    dk = (dS.transpose(-1, -2) @ qg).sum(2)                    # (B, Hkv, S, D)
+    dk = (dS.transpose(-1, -2) @ qg).sum(2)                    # (B, Hkv, Tk, D)
     return dq, dk, dv
 
 
@@ -90,17 +90,21 @@ def cross_entropy_backward(saved, grad_out):
 # ============================================================================= Task3
 
 
-def accumulate_window(model, micro_batches):
-    """Backward over one accumulation window, each micro-batch's summed token loss / the window's N."""
-    N = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in micro_batches)   # after the causal shift
-    total = 0.0
+def streaming_window(model, micro_batches):
+    """One pass over the window: backward each micro-batch's summed token loss, count N on the way, divide .grad once."""
+    N, total = 0, 0.0
     for mb in micro_batches:
         logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits   # (B_i, T_i, V)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), mb["labels"][:, 1:].flatten(),
-                               ignore_index=-100, reduction="sum") / N
-        loss.backward()                # adds into .grad
-        total += loss.item()
-    return total
+        token_losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), mb["labels"][:, 1:].flatten(),
+                                       ignore_index=-100, reduction="sum")
+        token_losses.backward()                                   # adds S_i's gradient into .grad
+        N += int((mb["labels"][:, 1:] != -100).sum())              # after the causal shift
+        total += token_losses.item()
+    with torch.no_grad():
+        for p in model.parameters():                              # a tied weight appears once: divided once
+            if p.grad is not None:
+                p.grad.div_(N)
+    return total / N
 
 
 def scheduled_lrs(stepped, base_lr, wsd):
@@ -230,7 +234,7 @@ SOLUTIONS = {
     "task2.rms_norm_backward": rms_norm_backward,
     "task2.attention_backward": attention_backward,
     "task2.cross_entropy_backward": cross_entropy_backward,
-    "task3.accumulate_window": accumulate_window,
+    "task3.streaming_window": streaming_window,
     "task3.scheduled_lrs": scheduled_lrs,
     "task4.layer_saved_bytes": layer_saved_bytes,
     "task4.gradient_lifecycle": gradient_lifecycle,

@@ -19,15 +19,17 @@ The two agree only when every micro-batch supervises the same number of tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from trainmech import amp
+from trainmech.checks import num, rel_error
 from trainmech.errors import TrainmechError
-from trainmech.workload import IGNORE_INDEX, supervised_tokens
+from trainmech.measure import cuda_allocated, cuda_peaks, reset_cuda_peaks, time_stats, timed
+from trainmech.workload import IGNORE_INDEX, split_micro_batches, supervised_tokens, uneven_batch
 
 NORMALIZATIONS = ("window_tokens", "micro_mean")
 
@@ -35,7 +37,7 @@ NORMALIZATIONS = ("window_tokens", "micro_mean")
 class Window(NamedTuple):
     """What one accumulation window produced: its loss (as the normalisation defines it) and counts."""
 
-    loss: torch.Tensor  # 0-dim float64 on the batch's device, detached: the sum of the back-propagated micro-batch losses
+    loss: torch.Tensor  # 0-dim float64 on the model's device, detached: the sum of the back-propagated micro-batch losses
     effective_tokens: int  # supervised tokens of the whole window, after the causal shift
     micro_tokens: tuple[int, ...]  # supervised tokens of each micro-batch
 
@@ -87,16 +89,28 @@ def token_weights(micro_tokens: list[int] | tuple[int, ...], normalization: str 
     return [1.0 / d for d in denominators(micro_tokens, normalization)]
 
 
+def count_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> tuple[int, ...]:
+    """Supervised tokens of each micro-batch after the causal shift, read with one host sync.
+
+    The counts are reduced on the labels' device and copied to the host together: count them once,
+    before a timed window, not once per micro-batch inside it.
+    """
+    if not micro_batches:
+        return ()
+    counts = torch.stack([(mb["labels"][:, 1:] != IGNORE_INDEX).sum() for mb in micro_batches])  # (n,) on the device
+    return tuple(int(n) for n in counts.tolist())
+
+
 def accumulate_gradients(
     model: torch.nn.Module,
     micro_batches: list[dict[str, torch.Tensor]],
     *,
     normalization: str = "window_tokens",
-    context: Callable[[], AbstractContextManager] = nullcontext,
-    precision: str = "fp32",
-    scaler: torch.amp.GradScaler | None = None,
-    model_kwargs: dict | None = None,
-    micro_tokens: tuple[int, ...] | None = None,
+    micro_tokens: list[int] | tuple[int, ...] | None = None,
+    autocast: Callable[[], AbstractContextManager] | None = None,
+    contexts: tuple[Callable[[torch.nn.Module], AbstractContextManager], ...] = (),
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    forward_kwargs: dict | None = None,
 ) -> Window:
     """Forward and backward over one accumulation window, adding into every parameter's .grad.
 
@@ -106,23 +120,147 @@ def accumulate_gradients(
     loss. The caller zeroes .grad at the window's start (as `optimizer.zero_grad()` does).
     A window without any supervised token is refused before any forward: .grad stays as it was.
 
-    A training strategy plugs in without another copy of this loop: `context()` is entered around
-    each micro-batch's forward and backward (checkpointing, offload hooks), the forward runs under
-    the autocast of `precision` ("fp32" / "bf16" / "fp16", trainmech.amp), `scaler` (a GradScaler)
-    scales each loss before its backward, and `model_kwargs` go to every forward (e.g. use_cache=False).
-    The window's loss stays a device tensor; with the token counts given (`micro_tokens`, counted once
-    for a fixed window) nothing here waits for the device.
+    Nothing in the loop waits for the device: pass `micro_tokens` (from `count_tokens`, counted
+    before a timed region) or they are counted here with one host sync; the window loss stays a
+    device tensor. Optional: `autocast()` is entered around each forward and loss (e.g.
+    `lambda: amp.autocast(device, "fp16")`); every `context(model)` in `contexts` around each
+    micro-batch's forward and backward (checkpointing, offloading); `scale(loss)` is what backward
+    runs on (e.g. `scaler.scale`); `forward_kwargs` go to every model call (e.g. use_cache=False).
+    The returned loss is the unscaled window loss.
     """
     if micro_tokens is None:
-        micro_tokens = tuple(supervised_tokens(mb["labels"]) for mb in micro_batches)
+        micro_tokens = count_tokens(micro_batches)
+    micro_tokens = tuple(int(n) for n in micro_tokens)
     divisors = denominators(micro_tokens, normalization)  # refuses before touching .grad
-    device = micro_batches[0]["input_ids"].device
-    window_loss = torch.zeros((), dtype=torch.float64, device=device)
+    window_loss = None
     for mb, divisor in zip(micro_batches, divisors):
-        with context():
-            with amp.autocast(device, precision):
-                logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], **(model_kwargs or {})).logits
-            loss = token_loss_sum(logits, mb["labels"]) / divisor  # (B_i, T_i, V) logits -> a float32 scalar
-            (loss if scaler is None else scaler.scale(loss)).backward()  # adds this micro-batch's share into .grad
-        window_loss += loss.detach()
+        with ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context(model))
+            with autocast() if autocast is not None else nullcontext():
+                logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], **(forward_kwargs or {})).logits
+                loss = token_loss_sum(logits, mb["labels"]) / divisor  # (B_i, T_i, V) -> (), float32 or wider
+            (scale(loss) if scale is not None else loss).backward()  # adds this share into .grad; frees its graph
+        share = loss.detach().double()
+        window_loss = share if window_loss is None else window_loss + share  # stays on the device
     return Window(window_loss, sum(micro_tokens), micro_tokens)
+
+
+# ----------------------------------------------------------------------------- Task3's experiment
+
+
+@dataclass
+class AccumulationResult:
+    """One gradient-accumulation workload: every split against the full batch, and the timed windows.
+
+    rows: (micro-batches, normalization) -> (gradient rel error, |loss error|, tokens per micro-batch).
+    stats: micro-batches -> step-time median / P95, CUDA peaks and the allocated base (None off CUDA).
+    """
+
+    workload_id: str
+    workload: object
+    built: object
+    input_shape: list[int]
+    effective_tokens: int
+    rows: dict[tuple[int, str], tuple[float, float, tuple[int, ...]]]
+    stats: dict[int, dict[str, float | int | None]]
+    timed_windows: int
+    grad_max_abs_error: float  # largest |g_window_tokens - g_full| over the splits
+
+    def errors(self, normalization: str) -> list[float]:
+        return [rel for (_, norm), (rel, _, _) in self.rows.items() if norm == normalization]
+
+    def table(self) -> str:
+        """The splits as printed lines: window_tokens as a verdict (≤ 1e-6), micro_mean with 2 digits."""
+        lines = [f"{self.workload_id}: effective batch = {self.workload.batch} sequences, {self.effective_tokens} "
+                 "supervised tokens, whatever the split"]
+        for (n, norm), (rel, dloss, tokens) in self.rows.items():
+            head = f"  {n} micro-batches {str(tokens):<18} {norm:<13}"
+            if norm == "window_tokens":
+                ok = rel <= 1e-6 and dloss <= 1e-5
+                lines.append(f"{head} grad rel error " + ("≤ 1e-6  loss Δ ≤ 1e-5" if ok else f"{rel:.1e}  loss Δ {dloss:.1e}"))
+            else:
+                lines.append(f"{head} grad rel error {num(rel, 2):<7} loss Δ {num(dloss, 1)}")
+        return "\n".join(lines)
+
+    def peak_lines(self, reference: str) -> str:
+        """CUDA: peaks and times per split next to the registry's reference; CPU: one sentence."""
+        if self.stats[1]["peak_allocated_bytes"] is None:
+            return "  peaks: not measured on CPU (null in the record); step times: in the record only"
+        gib, lines = 2**30, []
+        for n, s in self.stats.items():
+            lines.append(f"  {n} micro-batch(es): peak allocated {s['peak_allocated_bytes'] / gib:.2f} GiB "
+                         f"(+{(s['peak_allocated_bytes'] - s['base_allocated_bytes']) / gib:.2f} over the base), reserved "
+                         f"{s['peak_reserved_bytes'] / gib:.2f} GiB, median {s['step_time_median_s'] * 1e3:.1f} ms, "
+                         f"P95 {s['step_time_p95_s'] * 1e3:.1f} ms")
+        top, full = self.stats[max(self.stats)], self.stats[1]
+        lines.append(f"  ours: peak {100 * (top['peak_allocated_bytes'] / full['peak_allocated_bytes'] - 1):+.1f}%, median "
+                     f"{100 * (top['step_time_median_s'] / full['step_time_median_s'] - 1):+.1f}% ({max(self.stats)} "
+                     f"micro-batches vs full); registry: {reference}")
+        return "\n".join(lines)
+
+    def record_fields(self) -> dict:
+        """Keyword arguments of `Session.record` for TRAIN-GRADIENT-ACCUMULATION (the largest split is the candidate)."""
+        top = max(self.stats)
+        window_tokens = [(rel, d) for (_, norm), (rel, d, _) in self.rows.items() if norm == "window_tokens"]
+        metrics = {f"grad_rel_error_mb{n}_{norm}": rel for (n, norm), (rel, _, _) in self.rows.items()}
+        metrics |= {f"loss_abs_error_mb{n}_{norm}": d for (n, norm), (_, d, _) in self.rows.items()}
+        metrics |= {f"micro_tokens_mb{n}": list(t) for (n, norm), (_, _, t) in self.rows.items() if norm == "window_tokens"}
+        for n, s in self.stats.items():
+            metrics |= {f"{k}_mb{n}": v for k, v in s.items()}
+        return dict(
+            built=self.built, input_shape=self.input_shape, candidate=f"micro_batches={top}",
+            effective_batch={"sequences": self.workload.batch, "supervised_tokens": self.effective_tokens},
+            dtype="float32", update_count=self.workload.updates,
+            correctness={"output_max_abs_error": max(d for _, d in window_tokens), "grad_max_abs_error": self.grad_max_abs_error,
+                         "all_finite": True, "skipped_updates": 0, "effective_updates": self.workload.updates},
+            resources={k: v for k, v in self.stats[top].items() if k != "base_allocated_bytes"},
+            conclusion={"next_step": "compare peak and step time of full batch vs micro-batches on TRAIN-CUDA-MECHANISM"},
+            metrics={**metrics, "timed_windows": self.timed_windows, "normalization": "window_tokens"},
+        )
+
+
+def accumulation_experiment(session, workload_id: str, *, lr: float, warmup: int, timed_windows: int) -> AccumulationResult:
+    """The full batch against 2..n micro-batches under both normalizations, then timed AdamW updates.
+
+    On a fresh model of the workload: the uneven batch's full-batch gradient is the reference for
+    every split and normalization; then each split (1 = the full batch) runs `warmup` untimed and
+    `timed_windows` timed updates (zero_grad, `accumulate_gradients`, step) with CUDA peaks over the
+    timed ones. Token counts are taken before the timed region: it holds no host sync.
+    """
+    w = session.workload(workload_id)
+    built = session.build_model(w.model)
+    model, device = built.model, session.device
+    batch = {k: v.to(device) for k, v in uneven_batch(w.batch, w.seq).items()}
+    model.zero_grad(set_to_none=True)
+    reference = model(**batch)
+    reference.loss.backward()
+    g_ref, loss_ref = torch.cat([p.grad.flatten() for p in model.parameters()]), reference.loss.item()
+    rows, grad_err = {}, 0.0
+    for n in [k for k in w.micro_batches if k > 1]:
+        micro = split_micro_batches(batch, n)
+        for norm in NORMALIZATIONS:
+            model.zero_grad(set_to_none=True)
+            window = accumulate_gradients(model, micro, normalization=norm)
+            diff, rel = rel_error(torch.cat([p.grad.flatten() for p in model.parameters()]), g_ref)
+            rows[(n, norm)] = (rel, abs(float(window.loss) - loss_ref), window.micro_tokens)
+            if norm == "window_tokens":
+                grad_err = max(grad_err, diff)
+    optimizer, stats = torch.optim.AdamW(model.parameters(), lr=lr), {}
+    for n in w.micro_batches:
+        micro = split_micro_batches(batch, n)
+        tokens = count_tokens(micro)  # counted here, outside the timed update
+
+        def one_update():
+            optimizer.zero_grad(set_to_none=True)
+            accumulate_gradients(model, micro, micro_tokens=tokens)
+            optimizer.step()
+
+        for _ in range(warmup):
+            one_update()
+        base = cuda_allocated(device)
+        reset_cuda_peaks(device)
+        seconds = [timed(one_update, device)[1] for _ in range(timed_windows)]
+        stats[n] = {**time_stats(seconds), **cuda_peaks(device), "base_allocated_bytes": base}
+    return AccumulationResult(workload_id, w, built, list(batch["input_ids"].shape), supervised_tokens(batch["labels"]),
+                              rows, stats, timed_windows, grad_err)

@@ -57,22 +57,32 @@ class UpdateClock:
         self.skipped_updates = int(state["skipped_updates"])
 
 
+def all_finite(tensors) -> torch.Tensor:
+    """A 0-dim bool tensor: every element of every tensor is finite. Nothing waits for the device.
+
+    One fused max-|x| reduction per (device, dtype) group (`clip_grad_norm_`'s own
+    `get_total_norm` with the inf norm): an inf or a NaN anywhere makes the result non-finite, and
+    finite values, unlike a 2-norm's squares, cannot overflow on the way.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return torch.tensor(True)
+    return torch.isfinite(torch.nn.utils.get_total_norm(tensors, float("inf")))
+
+
 def grads_finite(params) -> bool:
     """True when every existing .grad is free of inf and NaN (parameters without .grad are ignored).
 
-    One fused check, one wait for the device: the largest |g| over all gradients (the ∞-norm, which
-    NaN and inf propagate into) is finite, rather than one `bool(...)` per parameter.
+    One host sync for all gradients together, not one per parameter.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return True
-    return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)))
+    return bool(all_finite([p.grad for p in params if p.grad is not None]))
 
 
 def step_if_finite(optimizer: torch.optim.Optimizer) -> bool:
     """optimizer.step() only when every gradient it would read is finite; returns whether it stepped.
 
     Without such a guard (or a GradScaler) a single NaN gradient is written into the parameters.
+    The decision needs one host sync (`grads_finite`), as GradScaler's own step does.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not grads_finite(params):
@@ -166,9 +176,17 @@ def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def displacement(before: list[torch.Tensor], model: torch.nn.Module) -> float:
-    """‖θ_now − θ_before‖₂ over all parameters, accumulated in float64, for `before` from `snapshot`."""
-    total = sum(float((p.detach().double() - b.double()).pow(2).sum()) for p, b in zip(model.parameters(), before))
-    return math.sqrt(total)
+    """‖θ_now − θ_before‖₂ over all parameters, accumulated in float64, for `before` from `snapshot`.
+
+    The per-parameter sums stay on the device; one host sync reads the total.
+    """
+    squares = [(p.detach().double() - b.double()).pow(2).sum() for p, b in zip(model.parameters(), before)]
+    return math.sqrt(float(torch.stack(squares).sum()))
+
+
+def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's .grad as one vector, in model.parameters() order (a tied weight counts once)."""
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
 # ----------------------------------------------------------------------------- resumable state
@@ -291,3 +309,187 @@ def load_training_state(
     clock = UpdateClock()
     clock.load_state_dict(meta["update_clock"])
     return clock, int(meta["data_position"])
+
+
+# ----------------------------------------------------------------------------- Task3's runs
+
+
+def transformers_wsd(steps: int, **wsd) -> list[float]:
+    """The multipliers transformers' `get_wsd_schedule` (a LambdaLR) gives over `steps` scheduler steps.
+
+    wsd: warmup_steps, stable_steps, decay_steps and optionally min_lr_ratio, warmup_type,
+    decay_type, as `wsd_multiplier` takes them. The reference `wsd_multiplier` is checked against.
+    """
+    return replay_schedule([True] * steps, lambda stepped: 1, 1.0, **wsd)
+
+
+def replay_schedule(stepped: list[bool], steps_after, base_lr: float, **wsd) -> list[float]:
+    """The LR each attempt reads from a transformers WSD scheduler stepped `steps_after(stepped)` times after it.
+
+    stepped: whether each attempt was an effective update. The scheduler steps after the optimizer
+    (the order PyTorch expects); the optimizer has nothing to update.
+    """
+    import transformers
+
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base_lr)
+    sched = transformers.get_wsd_schedule(
+        dummy, num_warmup_steps=wsd["warmup_steps"], num_stable_steps=wsd["stable_steps"],
+        num_decay_steps=wsd["decay_steps"], warmup_type=wsd.get("warmup_type", "linear"),
+        decay_type=wsd.get("decay_type", "cosine"), min_lr_ratio=wsd.get("min_lr_ratio", 0.0))
+    lrs = []
+    for s in stepped:
+        lrs.append(dummy.param_groups[0]["lr"])
+        for _ in range(steps_after(s)):
+            dummy.step()
+            sched.step()
+    return lrs
+
+
+@dataclass
+class AttemptLog:
+    """What a run of update attempts produced, one entry per attempt (loss None where non-finite)."""
+
+    loss: list[float | None]
+    stepped: list[bool]
+    lr: list[float]
+    scale: list[float]
+    seconds: list[float]
+    clock: UpdateClock
+    peaks: dict[str, int | None]
+    base_allocated_bytes: int | None
+    optimizer_steps: set[int]
+    finite_params: bool
+
+    def step_times(self, warmup: int) -> dict[str, float]:
+        """Median / P95 of the effective attempts after the first `warmup` of them (skips are not updates)."""
+        from trainmech.measure import time_stats
+
+        return time_stats([s for s, ok in zip(self.seconds, self.stepped) if ok][warmup:])
+
+    def metrics(self, prefix: str, warmup: int) -> dict[str, float | int | None]:
+        """The run's summary under `prefix_…` keys, for a record's metrics."""
+        stats = self.step_times(warmup)
+        return {f"{prefix}_final_loss": [x for x in self.loss if x is not None][-1],
+                f"{prefix}_step_time_median_s": stats["step_time_median_s"], f"{prefix}_step_time_p95_s": stats["step_time_p95_s"],
+                f"{prefix}_peak_allocated_bytes": self.peaks["peak_allocated_bytes"],
+                f"{prefix}_peak_reserved_bytes": self.peaks["peak_reserved_bytes"],
+                f"{prefix}_base_allocated_bytes": self.base_allocated_bytes}
+
+
+def run_attempts(attempt, batches, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, base_lr: float, wsd: dict, device: torch.device) -> AttemptLog:
+    """One update attempt per batch; the learning rate comes from the update clock, which ticks after each.
+
+    attempt(a, batch) -> (loss tensor, stepped) is the timed part: zero_grad, forward, backward and
+    the step or skip. Everything read from the device (the loss, the scale) is read after the timing.
+    """
+    from trainmech.measure import cuda_allocated, cuda_peaks, reset_cuda_peaks, timed
+
+    clock = UpdateClock()
+    log = AttemptLog([], [], [], [], [], clock, {}, cuda_allocated(device), set(), False)
+    reset_cuda_peaks(device)
+    for a, batch in enumerate(batches):
+        set_lr(optimizer, [base_lr], wsd_multiplier(clock.effective_updates, **wsd))
+        log.lr.append(optimizer.param_groups[0]["lr"])
+        (loss, stepped), seconds = timed(lambda: attempt(a, batch), device)
+        clock.tick(stepped)
+        value = float(loss)
+        log.loss.append(value if math.isfinite(value) else None)
+        log.stepped.append(bool(stepped))
+        log.scale.append(scaler.get_scale())
+        log.seconds.append(seconds)
+    log.peaks = cuda_peaks(device)
+    log.optimizer_steps = {int(optimizer.state[p]["step"]) for p in model.parameters()}
+    log.finite_params = bool(all_finite([p.detach() for p in model.parameters()]))
+    return log
+
+
+def eval_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    """The model's own mean token loss on batch in eval mode, without a graph (train mode restored)."""
+    model.eval()
+    with torch.no_grad():
+        value = model(**batch).loss.item()
+    model.train()
+    return value
+
+
+@dataclass
+class DynamicsRun:
+    """One training run's series over its updates, and the held-out loss after it."""
+
+    loss: list[float]
+    grad_norm: list[float]  # before clipping
+    clipped_norm: list[float]  # measured after clip_grad_norm_, in float64
+    clip_coef: list[float]
+    displacement: list[float]
+    finite: list[bool]
+    seconds: list[float]
+    eval_after: float
+    peaks: dict[str, int | None]
+
+    def series(self) -> dict[str, list[float]]:
+        return {"loss": self.loss, "grad_norm": self.grad_norm, "clip_coef": self.clip_coef, "displacement": self.displacement}
+
+
+def dynamics_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, *, max_norm: float,
+                 eval_batch: dict[str, torch.Tensor], device: torch.device) -> DynamicsRun:
+    """One update per batch: zero_grad, forward, backward, clip_grad_norm_(max_norm), step (the timed part).
+
+    Around it, untimed: θ before the update, the clipped gradient's norm (AdamW's step leaves .grad
+    as it was) and ‖Δθ‖ after it; at the end the held-out loss on eval_batch.
+    """
+    from trainmech.measure import cuda_peaks, reset_cuda_peaks, timed
+
+    run = DynamicsRun([], [], [], [], [], [], [], float("nan"), {})
+    reset_cuda_peaks(device)
+    for batch in batches:
+        before = snapshot(model)
+
+        def step_once():
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(**batch).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            optimizer.step()
+            return loss.detach(), norm
+
+        (loss, norm), seconds = timed(step_once, device)
+        run.loss.append(float(loss))
+        run.grad_norm.append(float(norm))
+        run.clipped_norm.append(float(flat_grads(model).double().norm()))  # float64: a float32 sum of ~10^6 squares drifts
+        run.clip_coef.append(clip_coefficient(run.grad_norm[-1], max_norm))
+        run.displacement.append(displacement(before, model))
+        run.finite.append(all(math.isfinite(v) for v in (run.loss[-1], run.grad_norm[-1], run.displacement[-1])))
+        run.seconds.append(seconds)
+    run.eval_after = eval_loss(model, eval_batch)
+    run.peaks = cuda_peaks(device)
+    return run
+
+
+def continued_updates(model, optimizer, scaler, clock, data_position: int, n: int, *, batch_at, precision: str,
+                      window: int, stride: int, device: torch.device, log: dict) -> int:
+    """n full-sequence updates; each window starts at a random offset in [0, window) past data_position.
+
+    batch_at(offset) -> a batch on the device. The offset is drawn from torch's global RNG, so the
+    RNG state is part of the data path (what a checkpoint must restore). Appends each offset and
+    the step time to log["offsets"], log["seconds"]; returns the data position after the n updates.
+    """
+    from trainmech import amp
+    from trainmech.measure import timed
+
+    for _ in range(n):
+        offset = data_position + int(torch.randint(0, window, ()))
+        batch = batch_at(offset)
+
+        def step_once():
+            optimizer.zero_grad(set_to_none=True)
+            with amp.autocast(device, precision):
+                loss = model(**batch).loss
+            scaler.scale(loss).backward()
+            return clock.tick(amp.scaled_step(scaler, optimizer))
+
+        _, seconds = timed(step_once, device)
+        log["offsets"].append(offset)
+        log["seconds"].append(seconds)
+        data_position += stride
+    return data_position

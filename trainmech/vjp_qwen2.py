@@ -15,7 +15,8 @@ Numerics follow the installed transformers' Qwen2 modules, with one deliberate d
 computes RMSNorm, the eager softmax and the loss in float32 even when the model is float64, so a
 float64 HF model is only float32-accurate there; here float64 stays float64 (lower precisions are
 upcast to float32 exactly as HF does). `hf_float64_reference` and `causal_lm_loss` remove those
-islands from the real modules, so that they can serve as a float64 reference. Not supported (refused with ValueError): padding masks,
+islands from the real modules, so that they can serve as a float64 reference; FLOAT32_ISLANDS lists all
+four (RoPE's float32 angles stay: they are an input both sides share) and `float32_island_gaps` measures them. Not supported (refused with ValueError): padding masks,
 sliding-window layers, RoPE types other than "default", activations other than silu, attention
 dropout.
 """
@@ -33,7 +34,7 @@ __all__ = [
     "layer_forward", "layer_backward",
     "model_loss_forward", "model_loss_backward",
     "saved_inventory",
-    "hf_float64_reference", "causal_lm_loss",
+    "FLOAT32_ISLANDS", "float32_island_gaps", "hf_float64_reference", "causal_lm_loss",
     "benchmark",
 ]
 
@@ -304,20 +305,33 @@ def saved_inventory(saved, prefix=""):
 # the real modules as a float64 reference
 
 
+FLOAT32_ISLANDS = {  # where transformers' Qwen2 computes in float32 even when the model is float64
+    "Qwen2RMSNorm": "hidden_states.to(torch.float32)",
+    "eager_attention_forward": "softmax(attn_weights, dtype=torch.float32)  (eager attention only; SDPA keeps the dtype)",
+    "ForCausalLMLoss": "logits.float()  (the labels= loss)",
+    "Qwen2RotaryEmbedding": "cos / sin from float32 angles  (an input: identical on both sides of a comparison)",
+}
+_PATCHABLE = ("Qwen2RMSNorm", "eager_attention_forward")
+
+
 @contextlib.contextmanager
-def hf_float64_reference():
+def hf_float64_reference(islands=_PATCHABLE):
     """Inside the block, transformers' Qwen2RMSNorm and eager attention keep float64 in float64.
 
-    The stock modules compute in float32 even in a float64 model: RMSNorm converts its input with
-    `hidden_states.to(torch.float32)` and eager attention runs `softmax(..., dtype=torch.float32)`
-    (SDPA keeps the input dtype already). Inside the block both compute in
-    promote_types(dtype, float32), so float64 stays float64 while float32 / bfloat16 / float16
-    models compute exactly as stock. The third float32 island, the loss's `logits.float()`, is not
-    in a module: compute the loss with `causal_lm_loss` on the model's logits. Both patches are
-    undone on exit, also after an exception.
+    The stock modules compute in float32 even in a float64 model (FLOAT32_ISLANDS): RMSNorm converts
+    its input with `hidden_states.to(torch.float32)` and eager attention runs
+    `softmax(..., dtype=torch.float32)` (SDPA keeps the input dtype already). Inside the block the
+    islands named in `islands` (default: both) compute in promote_types(dtype, float32), so float64
+    stays float64 while float32 / bfloat16 / float16 models compute exactly as stock. The loss's
+    `logits.float()` is not in a module: compute the loss with `causal_lm_loss` on the model's
+    logits. RoPE's float32 angles stay: `rope_cos_sin` reproduces them, so both sides of a
+    comparison read the same cos / sin. The patches are undone on exit, also after an exception.
     """
     from torch import nn
     from transformers.models.qwen2 import modeling_qwen2
+
+    unknown = set(islands) - set(_PATCHABLE)
+    _require(not unknown, f"hf_float64_reference: can remove only {_PATCHABLE}, not {sorted(unknown)}.")
 
     def rms_norm_keep_float64(self, hidden_states):
         dtype = hidden_states.dtype
@@ -337,13 +351,58 @@ def hf_float64_reference():
         return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
     stock_norm, stock_eager = modeling_qwen2.Qwen2RMSNorm.forward, modeling_qwen2.eager_attention_forward
-    modeling_qwen2.Qwen2RMSNorm.forward = rms_norm_keep_float64
-    modeling_qwen2.eager_attention_forward = eager_keep_float64
+    if "Qwen2RMSNorm" in islands:
+        modeling_qwen2.Qwen2RMSNorm.forward = rms_norm_keep_float64
+    if "eager_attention_forward" in islands:
+        modeling_qwen2.eager_attention_forward = eager_keep_float64
     try:
         yield
     finally:
         modeling_qwen2.Qwen2RMSNorm.forward = stock_norm
         modeling_qwen2.eager_attention_forward = stock_eager
+
+
+def _rel_gap(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
+
+
+@torch.no_grad()
+def float32_island_gaps(model, input_ids, labels):
+    """{island: relative change of a float64 model's output it causes}, one entry per FLOAT32_ISLANDS.
+
+    model: a float64 Qwen2ForCausalLM; input_ids, labels: (B, T). Each gap compares the stock
+    computation with the same one in float64: RMSNorm and eager attention with and without their
+    island (hf_float64_reference, eager attention switched on for its own entry), the loss of
+    `labels=` against `causal_lm_loss` on the float64 logits, HF's RoPE cos / sin against angles
+    computed in float64. A gap at float32's rounding level (≈ 1e-8) is the island; 0 would mean
+    there is none. Refuses a model that is not float64.
+    """
+    _require(next(model.parameters()).dtype == torch.float64, "float32_island_gaps: the model must be float64.")
+    config, gaps = model.config, {}
+    stock = model(input_ids=input_ids, labels=labels)
+    with hf_float64_reference(islands=("Qwen2RMSNorm",)):
+        gaps["Qwen2RMSNorm"] = _rel_gap(stock.logits, model(input_ids=input_ids).logits)
+    attention = config._attn_implementation
+    config._attn_implementation = "eager"
+    try:
+        with hf_float64_reference(islands=("Qwen2RMSNorm",)):
+            eager_stock = model(input_ids=input_ids).logits
+        with hf_float64_reference():
+            gaps["eager_attention_forward"] = _rel_gap(eager_stock, model(input_ids=input_ids).logits)
+    finally:
+        config._attn_implementation = attention
+    gaps["ForCausalLMLoss"] = _rel_gap(stock.loss, causal_lm_loss(stock.logits, labels))
+    T = input_ids.shape[1]
+    positions = torch.arange(T, device=input_ids.device)[None]  # (1, T)
+    probe = torch.zeros((), dtype=torch.float64, device=input_ids.device)
+    hf_cos, _ = model.model.rotary_emb(probe, positions)  # (1, T, D) in the probe's dtype
+    _, theta = _rope_parameters(config)
+    _, _, D = _head_dims(config)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64, device=probe.device) / D))  # (D/2,) float64
+    angles = positions[0, :, None].double() * inv_freq[None, :]  # (T, D/2)
+    gaps["Qwen2RotaryEmbedding"] = _rel_gap(hf_cos[0], torch.cat((angles, angles), dim=-1).cos())
+    return gaps
 
 
 def causal_lm_loss(logits, labels):

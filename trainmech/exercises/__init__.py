@@ -10,10 +10,16 @@ measurement (the Task4 storage tracker). It answers in Chinese, one line per inp
 Three outcomes:
 
     unfilled stub (it raises NotImplementedError)  ->  prints "未完成：…" (fixed text), returns None
-    correct                                        ->  prints "✓ …" lines and "通过", returns True
+    correct                                        ->  prints "✓ …" lines and "通过", returns PASSED
     wrong                                          ->  prints which tensor / update / byte count is
                                                        off and by how much, names a known mistake it
                                                        matches, then raises checks.ClaimFailed
+
+PASSED is truthy and displays nothing, so a passing check cell shows no `Out[n]`. A wrong answer
+still raises (Run All stops there), but the notebook shows only the one-line summary under the
+printed diagnosis, not the frames of this package. When the learner's function itself raises,
+the diagnosis quotes the line of their code that raised. A function that modifies a tensor it
+was given (in place) is wrong even when it returns the right values: the caller's tensors change.
 
 Checks always run on the CPU, whatever RUN_MODE the notebook ran in, and never move the
 notebook's random state (torch.random.fork_rng). Reference solutions are in trainmech.solutions;
@@ -22,6 +28,7 @@ a check never reads them.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,9 +36,26 @@ from dataclasses import dataclass
 import torch
 
 from trainmech.checks import ClaimFailed, rel_error
+from trainmech.display import describe_frame, user_frame
 from trainmech.errors import TrainmechError
 
-__all__ = ["check", "EXERCISES"]
+__all__ = ["check", "EXERCISES", "PASSED"]
+
+
+class _Passed:
+    """What a passing check returns: truthy, and invisible as a cell's last expression."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "PASSED"
+
+    def _ipython_display_(self) -> None:  # IPython shows nothing: no stray `Out[n]: True`
+        pass
+
+
+PASSED = _Passed()
 
 
 class _NotAttempted(Exception):
@@ -73,14 +97,24 @@ class _Run:
         self.answered = 0  # calls that returned
 
     def call(self, where: str, *args, **kwargs):
+        given = _given_tensors(self.learner, args, kwargs)
+        before = {name: t.detach().clone() for name, t in given.items()}
         try:
             out = self.learner(*args, **kwargs)
         except NotImplementedError as e:
             if self.answered == 0:
                 raise _NotAttempted() from None
-            raise _Wrong(f"✗ {where}：你的函数抛出了 NotImplementedError（{_first_line(e)}）——还有分支没写完？") from None
+            raise _Wrong([f"✗ {where}：你的函数抛出了 NotImplementedError（{_first_line(e)}）——还有分支没写完？",
+                          *_raising_line(e)]) from None
         except Exception as e:  # noqa: BLE001 — the learner's own error is the diagnosis
-            raise _Wrong(f"✗ {where}：你的函数抛出了 {type(e).__name__}：{_first_line(e)}") from None
+            raise _Wrong([f"✗ {where}：你的函数抛出了 {type(e).__name__}：{_first_line(e)}", *_raising_line(e)]) from None
+        changed = [name for name, t in given.items() if not _same(t, before[name])]
+        if changed:
+            names = "、".join(f"`{n}`" for n in changed)
+            raise _Wrong([f"✗ {where}：你的函数原地修改了传入的 {names}（调用后它的值变了）",
+                          "    函数应当返回新张量、不改动传进来的张量：把 `x -= …`、`x.add_(…)`、`x[i] = …` 这类原地运算"
+                          "换成产生新张量的写法（`x = x - …`），或先 `x = x.clone()`。"],
+                         f"原地修改了输入 {names}")
         self.answered += 1
         return out
 
@@ -94,9 +128,41 @@ def _first_line(e: BaseException) -> str:
     return (text.splitlines()[0][:200] if text else "（没有说明）")
 
 
-def check(exercise_id: str, learner: Callable) -> bool | None:
-    """Check the learner's answer to one exercise. True: correct; None: not attempted yet;
-    a wrong answer prints the diagnosis and raises ClaimFailed."""
+def _raising_line(e: BaseException) -> list[str]:
+    """The line of the learner's own code where `e` was raised, as one printed line (or none)."""
+    frame = user_frame(e.__traceback__.tb_next)  # tb_next: skip _Run.call's own frame
+    return [f"    出错的是你代码里的这一行（{describe_frame(frame)}）"] if frame is not None else []
+
+
+def _given_tensors(fn: Callable, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """The tensors handed to fn, by the name fn knows them under: top-level ones and those in a
+    dict argument (`saved["x"]`). Nested structures and models are not followed."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # a signature that does not fit is diagnosed by the call itself
+        bound = {f"#{i + 1}": a for i, a in enumerate(args)} | kwargs
+    found = {}
+    for name, value in bound.items():
+        if isinstance(value, torch.Tensor):
+            found[name] = value
+        elif isinstance(value, dict):
+            found |= {f"{name}[{k!r}]": v for k, v in value.items() if isinstance(v, torch.Tensor)}
+    return found
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and values, NaN where NaN was: what "not modified" means for an input."""
+    a, b = a.detach(), b.detach()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.where(a.isnan(), 0, a), torch.where(b.isnan(), 0, b))
+    return torch.equal(a, b)
+
+
+def check(exercise_id: str, learner: Callable) -> _Passed | None:
+    """Check the learner's answer to one exercise. PASSED (truthy): correct; None: not attempted
+    yet; a wrong answer prints the diagnosis and raises ClaimFailed."""
     ex = EXERCISES.get(exercise_id)
     if ex is None:
         raise TrainmechError(f"没有练习 {exercise_id!r}；已有：{', '.join(EXERCISES)}")
@@ -113,7 +179,7 @@ def check(exercise_id: str, learner: Callable) -> bool | None:
             print(f"  {line}")
         raise ClaimFailed(f"练习 {ex.id} 未通过：{w.summary}") from None
     print(f"通过：`{name}` 在全部输入上与参照一致。")
-    return True
+    return PASSED
 
 
 # ----------------------------------------------------------------------------- comparisons

@@ -42,7 +42,7 @@ def _attention_backward_variant(saved, dout, *, scaled=True, rowsum=True, group=
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
-    kr, vr = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)   # (B, H, S, D)
+    kr, vr = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)   # (B, H, T_k, D)
     dv = (P.transpose(-1, -2) if p_t else P) @ dout
     dP = dout @ vr.transpose(-1, -2)
     dS = P * (dP - (dP * P).sum(-1, keepdim=True)) if rowsum else P * dP
@@ -72,7 +72,7 @@ def _task2_attention(run: _Run) -> None:
                  ("Softmax 反向漏了第二项 −P ⊙ rowsum(P̄ ⊙ P)", dict(rowsum=False)),
                  ("k̄、v̄ 在共用一组键值的 G 个查询头之间取了平均，应当求和", dict(group="mean")),
                  ("v̄ 用了 P Ō 而不是 Pᵀ Ō", dict(p_t=False))]
-        hint = "k̄、v̄ 的形状与 k、v 相同 (B, Hkv, S, D)：共用一组键值的 G 个查询头的梯度要相加。"
+        hint = "k̄、v̄ 的形状与 k、v 相同 (B, Hkv, T_k, D)：共用一组键值的 G 个查询头的梯度要相加。"
         rels = []
         for i, name in enumerate(("dq", "dk", "dv")):
             variants = [(d, lambda kw=kw, i=i: _attention_backward_variant(saved, dout, **kw)[i]) for d, kw in kinds]

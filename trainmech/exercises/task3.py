@@ -1,4 +1,5 @@
-"""Task3 exercises: a window normalised by its supervised tokens; the update clock's learning rates."""
+"""Task3 exercises: a streaming accumulation window divided by its supervised tokens at the end; the update
+clock's learning rates."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import torch
 from trainmech.exercises import _Run, _Wrong, _exercise, _fmt_index, _tensor, _tiny_model, _tuple
 
 
-@_exercise("task3.accumulate_window", "累计窗口：按整个窗口的监督 Token 数归一化")
+@_exercise("task3.streaming_window", "流式的累计窗口：先累加 Token 损失之和，最后把 .grad 除以 N")
 def _task3_window(run: _Run) -> None:
     from trainmech import supervision, workload
 
     model = _tiny_model()
     names = [n for n, _ in model.named_parameters()]
     sizes = [p.numel() for p in model.parameters()]
-    batch = workload.uneven_batch(4, 32)   # rows of different lengths and supervision starts (Task3 · 1)
+    batch = supervision.uneven_batch(4, 32)
     half_empty = {**batch, "labels": batch["labels"].clone()}
     half_empty["labels"][2:] = workload.IGNORE_INDEX   # the second micro-batch supervises nothing
 
@@ -47,7 +48,8 @@ def _task3_window(run: _Run) -> None:
 
         variants = [("micro_mean：每个微批次先各自取平均再除以微批次个数——短微批次的 Token 权重更大", micro_mean),
                     (f"数监督 Token 时没有错位：数了 labels != -100（{N_unshifted} 个），应数 labels[:, 1:] != -100（{N} 个）",
-                     lambda: g_full * (N / N_unshifted))]
+                     lambda: g_full * (N / N_unshifted)),
+                    (f"最后没有把 .grad 除以 N（= {N}）：留下的是 Token 损失之和的梯度", lambda: g_full * N)]
         try:
             rel = _tensor(where, "窗口梯度（全部参数）", ours, g_full, rtol=1e-6, against="完整批次", variants=variants)
         except _Wrong as w:

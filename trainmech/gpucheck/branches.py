@@ -405,21 +405,25 @@ PACKAGE = [
 # Not branches, though the scan sees a device string there: why each is no CUDA path.
 NOT_BRANCHES = {
     "measure._cpu_allocator_events": "filters the CPU profiler's events to CPU ones; nothing runs on CUDA",
+    "execution.choose_jobs": "decides how many notebooks run at once (one in the CUDA mode); nothing runs on CUDA, "
+                             "tests/test_runner_faults.py covers both sides on a CPU",
+    "runner._provenance": "names run.json's intra-op thread count (CPU kernels pin one); nothing runs on CUDA",
     "scenarios.with_optimizer": "reads the ledger's device field (a prediction) to pick the in-backward step's kernel; no CUDA call",
 }
 
 # Notebook cells whose CUDA side only a CUDA-mode run executes (the notebook pass runs them).
 NOTEBOOK_CELLS = {
     "Task0:cell-23": "the random model's loss ≈ ln V claim is checked on CPU only",
-    "Task2:cell-22": "SDPA's saved rows identified by storage on CPU only (a CUDA kernel may keep RNG state, padded lse)",
+    "Task2:sdpa-identity": "SDPA's saved rows identified by storage on CPU only (a CUDA kernel may keep RNG state, padded lse)",
     "Task2:cell-30": "the exact HF-vs-ours saved-bytes identity asserted on CPU only",
-    "Task2:cell-38": "the whole-model saved-bytes identity asserted on CPU only",
+    "Task2:model-bytes": "the whole-model saved-bytes identity asserted on CPU only",
     "Task3:cell-03": "3 warm-up + 20 timed windows on CUDA (1 + 3 on CPU)",
     "Task3:cell-17": "accelerate's Accelerator(cpu=False): it prepares the model on the GPU",
     "Task3:cell-19": "frees comparison copies, prints allocated / reserved peaks and the accumulation deltas",
     "Task3:cell-23": "accelerate's fp16 really runs float16 Linear layers on CUDA (float32 on CPU)",
     "Task3:cell-32": "prints FP16 vs FP32 peak and median",
-    "Task3:cell-46": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
+    "Task3:trainer-count": "TrainingArguments(use_cpu=False): the Trainer counts num_items_in_batch on the GPU",
+    "Task3:resume-check": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
     "Task4:cell-03": "ledger.CUDA_POINTS instead of the CPU points",
     "Task4:cell-17": "lifecycle bytes within 1 % instead of byte for byte",
     "Task4:cell-26": "allocator peaks, reserved − allocated, the allocator history",

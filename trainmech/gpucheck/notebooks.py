@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from trainmech.gpucheck.branches import notebook_cells, result_row, with_expectation
+from trainmech.results import PARTIAL_SUFFIX
 
 NOTEBOOK_TIMEOUT_S = 240.0  # the --timeout default; a small-pass notebook takes ~20 s: a hung one must not eat the device command
 SMOKE_MODEL = "qwen2.5-0.5b-2layers"
@@ -82,10 +83,11 @@ def run_notebooks(out: Path, device, only: list[str] | None = None, timeout: flo
         label = f"smoke-{task}"
         t0 = time.perf_counter()
         with DeviceMemory(device) if device.type == "cuda" else contextlib.nullcontext() as sampler:
-            runner.run(mode, label, only=[task], overrides=params.get(task, {}), timeout=timeout,
-                       results_root=out / "notebooks", progress=False, allow_errors=True)
-        run = json.loads((out / "notebooks" / label / "run.json").read_text(encoding="utf-8"))["notebooks"][0]
-        executed = nbformat.read(out / "notebooks" / label / "notebooks" / path.name, as_version=4)
+            code = runner.run(mode, label, only=[task], overrides=params.get(task, {}), timeout=timeout,
+                              results_root=out / "notebooks", progress=False, allow_errors=True)
+        folder = out / "notebooks" / (label if code == 0 else label + PARTIAL_SUFFIX)  # where a failed run goes
+        run = json.loads((folder / "run.json").read_text(encoding="utf-8"))["notebooks"][0]
+        executed = nbformat.read(folder / "notebooks" / path.name, as_version=4)
         by_id = {c.get("id"): c for c in executed.cells}
         notebook_rows.append({"notebook": task, "status": run["status"], "seconds": round(time.perf_counter() - t0, 2),
                               "error": run["error"], "records": run["records"],
