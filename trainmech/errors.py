@@ -4,6 +4,17 @@ Every refusal is a `TrainmechError` whose message is one sentence: what is wrong
 valid. The command line prints that sentence and exits non-zero, without a traceback.
 """
 
+import argparse
+import sys
+
 
 class TrainmechError(ValueError):
     """Bad input to trainmech: a wrong mode, label, profile, record or workload."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with the package's refusal style: a usage error is one `trainmech: error:` line, exit 2."""
+
+    def error(self, message: str):
+        print(f"trainmech: error: {' '.join(message.split())}", file=sys.stderr)
+        sys.exit(2)

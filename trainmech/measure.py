@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trainmech.errors import TrainmechError
+from trainmech.ledger.categories import CATEGORIES
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -87,7 +88,7 @@ def cuda_allocated(device: torch.device) -> int | None:
 # scratch that never becomes a tensor is invisible here; the allocator sees it
 # (`allocator_peak_cpu`, from torch.profiler's memory events).
 
-MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "saved", "workspace")
+MEMORY_CATEGORIES = CATEGORIES  # the ledger's seven categories (trainmech.ledger.categories)
 FORWARD_PHASES = ("forward", "loss")  # phase-name prefixes of the forward pass and the loss
 
 
@@ -101,7 +102,8 @@ class Allocation:
     born_phase: str
     died: int | None = None  # index of its release event; None: still alive when tracking stopped
     died_phase: str | None = None
-    tag: str | None = None  # "gradients" / "optimizer_states", set by StorageTracker.tag
+    tag: str | None = None  # "gradients" / "optimizer_states" / "workspace", set by StorageTracker.tag / .tagging
+    recomputed: bool = False  # born while autograd recorded inside a backward node: a checkpoint rebuilding its forward
 
 
 class StorageTracker(TorchDispatchMode):
@@ -119,6 +121,7 @@ class StorageTracker(TorchDispatchMode):
         self._bytes = 0
         self._alive: dict[int, int] = {}  # id(storage) -> index into allocations
         self._finalizers: dict[int, weakref.finalize] = {}
+        self._tag_births: str | None = None  # set by `tagging`
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -139,7 +142,9 @@ class StorageTracker(TorchDispatchMode):
 
     def _born(self, storage, op: str) -> None:
         index = len(self.allocations)
-        self.allocations.append(Allocation(storage.nbytes(), op, self._event(storage.nbytes()), self.phase))
+        self.allocations.append(Allocation(storage.nbytes(), op, self._event(storage.nbytes()), self.phase,
+                                           tag=self._tag_births,
+                                           recomputed=torch.is_grad_enabled() and torch._C._current_autograd_node() is not None))
         self._alive[id(storage)] = index
         self._finalizers[index] = weakref.finalize(storage, self._released, id(storage), index)
 
@@ -155,6 +160,15 @@ class StorageTracker(TorchDispatchMode):
             index = self._alive.get(id(t.untyped_storage()))
             if index is not None:
                 self.allocations[index].tag = label
+
+    @contextmanager
+    def tagging(self, label: str):
+        """Label every storage born inside the block (an update running inside the backward: "workspace")."""
+        before, self._tag_births = self._tag_births, label
+        try:
+            yield
+        finally:
+            self._tag_births = before
 
     def __enter__(self):
         self._gc_was_enabled = gc.isenabled()
@@ -231,13 +245,22 @@ class StepMemory:
 
     @staticmethod
     def category(a: Allocation) -> str:
-        """gradients / optimizer_states by tag; else forward-born: saved if the backward releases it,
-        activations if the forward does; everything else born in backward or update: workspace."""
+        """The ledger's categories, from what the tracker saw.
+
+        By tag first (gradients, optimizer states, an update's workspace). Born in the forward: saved
+        if the backward releases it, an unsaved activation if the forward does. Born in the backward:
+        a saved tensor if autograd was recording (a checkpoint rebuilding its forward), otherwise an
+        upstream gradient (every tensor the backward computes is some op's input gradient, the loss's
+        seed dL/dL included). Born in the
+        update or zero_grad: workspace.
+        """
         if a.tag:
             return a.tag
         if a.born_phase.startswith(FORWARD_PHASES):
             released_in_forward = a.died_phase is not None and a.died_phase.startswith(FORWARD_PHASES)
-            return "activations" if released_in_forward else "saved"
+            return "unsaved_activations" if released_in_forward else "saved"
+        if a.born_phase.startswith("backward"):
+            return "saved" if a.recomputed else "upstream_grads"
         return "workspace"
 
     @property
@@ -291,39 +314,52 @@ def _distinct_bytes(tensors) -> int:
 
 
 def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
-                         allocator: str | None = None) -> StepMemory:
+                         allocator: str | None = None, grads_at_start: bool = False, update: bool = True,
+                         set_to_none: bool = True, autocast: torch.dtype | None = None) -> StepMemory:
     """Track one training step of a transformers causal LM and return its StepMemory.
 
-    The step: loss = model(**batch, use_cache=False).loss; loss.backward(); optimizer.step();
-    optimizer.zero_grad(set_to_none=True). Gradients must be None when it starts (set_to_none).
+    The step: loss = model(**batch, use_cache=False).loss (under torch.autocast(dtype=autocast) when
+    given); loss.backward(); then, with update, optimizer.step(); optimizer.zero_grad(set_to_none).
+    Gradients must be None when it starts, unless grads_at_start: then every gradient must exist (an
+    earlier micro-batch wrote it, or zero_grad(set_to_none=False) kept it) and counts in the baseline.
     Every p.grad is tagged "gradients" after the backward, every optimizer state tensor
-    "optimizer_states" after the update. The allocator's peaks are read as well: on CUDA by
-    default; `allocator="cpu-profiler"` reads the CPU allocator's instead (see `allocator_window`),
-    so the same bookkeeping runs on a CPU.
+    "optimizer_states" after the update. An optimizer with a `watch(tracker)` method (an update that
+    runs inside the backward, `trainmech.optimizers.OptimizerInBackward`) tags its own. The allocator's
+    peaks are read as well: on CUDA by default; `allocator="cpu-profiler"` reads the CPU allocator's
+    instead (see `allocator_window`), so the same bookkeeping runs on a CPU.
     """
     params = list(model.parameters())
-    if any(p.grad is not None for p in params):
+    have = [p.grad is not None for p in params]
+    if grads_at_start and not all(have):
+        raise TrainmechError("grads_at_start needs every p.grad to exist (an earlier micro-batch, or zero_grad(set_to_none=False))")
+    if not grads_at_start and any(have):
         raise TrainmechError("training_step_memory needs p.grad = None before the step (zero_grad(set_to_none=True))")
     device = params[0].device
-    baseline = {"parameters": _distinct_bytes(params), "optimizer_states": _distinct_bytes(_state_tensors(optimizer))}
+    baseline = {"parameters": _distinct_bytes(params), "optimizer_states": _distinct_bytes(_state_tensors(optimizer)),
+                "gradients": _distinct_bytes([p.grad for p in params]) if grads_at_start else 0}
     if allocator is None:
         allocator = "cuda" if device.type == "cuda" else None
     window = (allocator_window(device, allocator, assume_start_bytes=sum(baseline.values())) if allocator
               else contextlib.nullcontext(None))
     tracker = StorageTracker()
     handles = phase_hooks(model, tracker)
+    if hasattr(optimizer, "watch"):
+        handles.append(optimizer.watch(tracker))
+    precision = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     try:
         with window as seen, tracker:
-            loss = model(**batch, use_cache=False).loss
+            with precision:
+                loss = model(**batch, use_cache=False).loss
             tracker.phase = "backward.loss"
             loss.backward()
             del loss
             tracker.tag([p.grad for p in params if p.grad is not None], "gradients")
-            tracker.phase = "optimizer"
-            optimizer.step()
-            tracker.tag(_state_tensors(optimizer), "optimizer_states")
-            tracker.phase = "zero_grad"
-            optimizer.zero_grad(set_to_none=True)
+            if update:
+                tracker.phase = "optimizer"
+                optimizer.step()
+                tracker.tag(_state_tensors(optimizer), "optimizer_states")
+                tracker.phase = "zero_grad"
+                optimizer.zero_grad(set_to_none=set_to_none)
     finally:
         for h in handles:
             h.remove()
