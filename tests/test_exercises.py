@@ -263,6 +263,17 @@ def update_gate_counts_only(ref, cand, expected_lrs):
         return False, "counts differ"
     return True, "same number of effective updates"
 
+def peak_no_vocab_grads(cfg, batch, seq):
+    phase, composition = S.predict_peak(cfg, batch, seq)
+    if phase == "backward.loss":
+        composition = {**composition, "upstream_grads": composition["upstream_grads"] - 2 * 4 * batch * seq * cfg.vocab_size}
+    return phase, composition
+
+
+def peak_always_at_the_loss(cfg, batch, seq):
+    return "backward.loss", S.predict_peak(cfg, batch, seq)[1]
+
+
 WRONG = {
     "task0.sgd_momentum_update": [(sgd_no_decay, "漏了权重衰减")],
     "task0.adamw_first_update": [(adamw_coupled, "耦合进了梯度"), (adamw_no_bias_correction, "偏差校正")],
@@ -275,6 +286,7 @@ WRONG = {
     "task3.scheduled_lrs": [(lrs_every_attempt, "被跳过的更新也推进了它"), (lrs_logged_attempts, "有效更新次数")],
     "task4.layer_saved_bytes": [(layer_no_logsumexp, "sdpa_logsumexp"), (layer_with_probs, "s×s")],
     "task4.gradient_lifecycle": [(grads_released_at_optimizer, "zero_grad"), (grads_tied_head_in_head_phase, "backward.embed")],
+    "task4.predict_peak": [(peak_always_at_the_loss, "实测在 optimizer"), (peak_no_vocab_grads, "词表大小的 fp32 上游梯度")],
     "task5.offload_hooks": [(offload_no_copy, "没有被搬走"), (offload_to_cpu_alias, "t.to('cpu')"), (offload_params_too, "参数也被复制"),
                             (offload_closure, "闭包"), (offload_half, "取回的张量与打包时不同")],
     "task5.checkpoint": [(checkpoint_plain, "只应留下输入"), (checkpoint_no_enable_grad, "enable_grad"), (checkpoint_only_x, "没有得到梯度")],

@@ -208,7 +208,8 @@ def continual_pretrain(before: dict[str, float], after: dict[str, float]):
 # ----------------------------------------------------------------------------- Task4: the state ledger
 
 CATEGORY_COLOURS = {"parameters": "tab:gray", "gradients": "tab:red", "optimizer_states": "tab:purple",
-                    "activations": "tab:olive", "saved": "tab:blue", "workspace": "tab:orange"}
+                    "unsaved_activations": "tab:olive", "saved": "tab:blue", "upstream_grads": "tab:cyan",
+                    "workspace": "tab:orange"}
 
 
 def lifecycle_chart(rows, phases: list[str]):
@@ -287,6 +288,54 @@ def memory_timeline(live: list[int], phases: list[str], baseline: int, predicted
     bottom.set_ylim(0, max(bottom_) * 1.35)  # headroom: the legend sits above the tallest bar
     bottom.legend(fontsize=7, ncols=4, loc="upper left")
     bottom.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def memory_viz_timeline(history, *, columns: int = 300, min_share: float = 0.004, title: str = ""):
+    """PyTorch memory_viz's "active memory timeline" for one history (trainmech.measure.MemoryHistory):
+    every live allocation a band, stacked in birth order, so a freed block lets the younger ones drop.
+
+    Colour = the state category (grey: an allocator block no tensor state matches). Blocks below
+    min_share of the peak are pooled into one band on top (memory_viz shows them one by one).
+    x: the history's alloc/free events; y: live bytes above what was alive before the history began.
+    """
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    mib, n = 2**20, max(history.events, 1)
+    xs = sorted({round(k * (n - 1) / max(columns - 1, 1)) for k in range(columns)} | {n - 1})
+    alive_at = lambda b, t: b.born <= t and (b.died is None or b.died > t)  # noqa: E731
+    totals = [sum(b.nbytes for b in history.blocks if alive_at(b, t)) for t in xs]
+    floor = min_share * max(totals + [1])
+    big = [b for b in history.blocks if b.nbytes >= floor]
+    polys, colours = [], []
+    offsets = {id(b): [None] * len(xs) for b in big}
+    for j, t in enumerate(xs):
+        height = 0
+        for b in big:  # birth order: older blocks below
+            if alive_at(b, t):
+                offsets[id(b)][j] = height
+                height += b.nbytes
+    for b in big:
+        pts = [(xs[j], o) for j, o in enumerate(offsets[id(b)]) if o is not None]
+        if not pts:
+            continue
+        top = [(x, (o + b.nbytes) / mib) for x, o in pts]
+        polys.append(top + [(x, o / mib) for x, o in reversed(pts)])
+        colours.append(CATEGORY_COLOURS.get(b.category, "0.6"))
+    fig, (ax,) = _figure(1, 9.0, 3.6)
+    ax.add_collection(PolyCollection(polys, facecolors=colours, edgecolors="none", alpha=0.9))
+    ax.plot(xs, [t / mib for t in totals], color="black", lw=0.8, label="all live blocks (small ones pooled on top)")
+    present = [c for c in CATEGORY_COLOURS if any(b.category == c for b in big)]
+    handles = [Patch(color=CATEGORY_COLOURS[c], label=c) for c in present]
+    if any(b.category == "allocator only" for b in big):
+        handles.append(Patch(color="0.6", label="allocator only"))
+    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7, ncols=3, loc="upper left")
+    ax.set_xlim(0, n)
+    ax.set_ylim(0, max(totals) / mib * 1.35)  # headroom for the legend
+    ax.set(xlabel=f"allocation / release event ({history.source})", ylabel="live bytes above the start (MiB)",
+           title=title or "active memory timeline (memory_viz style)")
+    ax.grid(alpha=0.3, axis="y")
     return fig
 
 

@@ -159,16 +159,21 @@ def check_step_memory(probe: Probe) -> str:
 
 
 def check_memory_history(probe: Probe) -> str:
+    """The allocator's history around a tracked step (CUDA), labelled by the tracker; off CUDA the tracker's own."""
+    model = probe.model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with measure.cuda_memory_history(probe.device) as history:
-        x = torch.ones(4 << 20, device=probe.device)
-        y = x * 2
-        del x, y
+        step = measure.training_step_memory(model, optimizer, probe.lm_batch())
+    timeline = measure.step_history(history, [step])
+    tracked = [b for b in timeline.blocks if b.category != "allocator only"]
     if not probe.cuda:
-        require(history == {}, f"history off CUDA must stay empty, got {history}")
-        return "off CUDA the history stays empty"
-    require(history.get("alloc_events", 0) >= 2 and history.get("segments", 0) >= 1, f"history recorded {history}")
+        require(dict(history) == {} and history.source is None, f"history off CUDA must stay empty, got {dict(history)}")
+        require(timeline.source == "storage-tracker" and len(tracked) == len(step.allocations), "the tracker's history lost blocks")
+        return f"off CUDA the tracker's history stands in: {len(timeline.blocks)} blocks"
+    require(history.get("alloc_events", 0) >= len(step.allocations) and history.get("segments", 0) >= 1, f"history recorded {dict(history)}")
+    require(len(tracked) >= 0.95 * len(step.allocations), f"only {len(tracked)} of {len(step.allocations)} tracked storages matched")
     return f"{history['alloc_events']} alloc / {history['free_events']} free events, {history['segments']} segment(s), " \
-           f"{history['reserved_bytes']:,} B reserved"
+           f"{history['reserved_bytes']:,} B reserved; {len(tracked)} blocks labelled, {len(timeline.blocks) - len(tracked)} allocator-only"
 
 
 class _SdpaOps(TorchDispatchMode):
@@ -323,7 +328,8 @@ PACKAGE = [
            "the allocator's peak over a tracked step beside the tracked tensor peak (CPU: the profiler's allocator, forced)",
            check_step_memory, 4),
     Branch("measure.history", ("measure.cuda_memory_history",),
-           "torch.cuda.memory._record_memory_history around the block, summarised from the snapshot", check_memory_history, 1),
+           "torch.cuda.memory._record_memory_history(stacks='python') around a tracked step; the snapshot's blocks "
+           "labelled by the tracker (CPU: the tracker's own history)", check_memory_history, 2),
     Branch("ledger.cuda", ("ledger.inventory.attention_kernel", "ledger.states._state_bytes_per_tensor",
                            "ledger.book.training_state_lifecycle", "ledger.compare.measure_point", "ledger.peers.benchmark",
                            "ledger.cli.render"),

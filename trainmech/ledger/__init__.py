@@ -28,7 +28,7 @@ from trainmech.ledger.book import Ledger, Peak, training_state_lifecycle
 from trainmech.ledger.categories import BATCH_STATES, CATEGORIES, CATEGORY_ZH, MODEL_STATES
 from trainmech.ledger.cli import build_parser, main, render
 from trainmech.ledger.clock import AFTER, BEFORE, LAYER_BACKWARD_MOMENTS, State, phase_of, ticks
-from trainmech.ledger.compare import CPU_POINTS, CUDA_POINTS, Comparison, measure_point, padded_batch
+from trainmech.ledger.compare import CPU_POINTS, CUDA_POINTS, Comparison, measure_point, measured_bytes_per_param, padded_batch
 from trainmech.ledger.formulas import (deepspeed_zero2_gpu_bytes, deepspeed_zero3_gpu_bytes, korthikanti_activation_bytes,
                                        zero_bytes_per_device, zero_communication_volume)
 from trainmech.ledger.inventory import ATTENTION, DEVICES, SavedTensor, attention_kernel, layer_saved
@@ -41,7 +41,7 @@ from trainmech.ledger.states import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS
 __all__ = [
     "Ledger", "Peak", "training_state_lifecycle", "BATCH_STATES", "CATEGORIES", "CATEGORY_ZH", "MODEL_STATES", "AFTER",
     "BEFORE", "LAYER_BACKWARD_MOMENTS", "State", "phase_of", "ticks", "CPU_POINTS", "CUDA_POINTS", "Comparison",
-    "measure_point", "padded_batch", "deepspeed_zero2_gpu_bytes", "deepspeed_zero3_gpu_bytes", "korthikanti_activation_bytes",
+    "measure_point", "measured_bytes_per_param", "padded_batch", "deepspeed_zero2_gpu_bytes", "deepspeed_zero3_gpu_bytes", "korthikanti_activation_bytes",
     "zero_bytes_per_device", "zero_communication_volume", "ATTENTION", "DEVICES", "SavedTensor", "attention_kernel",
     "layer_saved", "FP32_BYTES", "INDEX_BYTES", "RECIPES", "Recipe", "recipe", "SUPPORTED_MODEL_TYPES", "ModelShape",
     "load_config", "model_shape", "CHECKPOINTING", "OPTIMIZER_IMPLS", "OPTIMIZERS", "allocator", "scenarios", "zero",

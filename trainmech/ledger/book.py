@@ -195,7 +195,8 @@ def _one_of(name: str, value: Any, valid: tuple[str, ...]) -> str:
 def training_state_lifecycle(config: Any, batch: int, seq: int, *, dtype: str = "fp32", optimizer: str = "adamw",
                              optimizer_impl: str = "auto", optimizer_in_backward: bool = False, checkpointing: str = "none",
                              device: str = "cpu", attention: str = "auto", padded: bool = False, first_step: bool = False,
-                             micro_batches: int = 1, micro_batch: int | None = None, set_to_none: bool = True) -> Ledger:
+                             micro_batches: int = 1, micro_batch: int | None = None, set_to_none: bool = True,
+                             gradient_buffers: bool = False) -> Ledger:
     """The ledger of one training step: every state, its bytes and its lifecycle.
 
     config: a profile model name, a config.json path, a dict, a transformers config or a ModelShape.
@@ -208,7 +209,9 @@ def training_state_lifecycle(config: Any, batch: int, seq: int, *, dtype: str = 
     for this device, dtype and mask (`attention_kernel`); padded: the batch has padding, hence a mask.
     micro_batches / micro_batch: gradient accumulation; the step is micro-batch `micro_batch` (default:
     the last, the one that updates) of its window, and from the second on .grad exists before it starts.
-    set_to_none=False: zero_grad zeroes the gradients in place instead of releasing them.
+    set_to_none=False: zero_grad zeroes the gradients in place instead of releasing them. gradient_buffers:
+    .grad lives in buffers allocated once and kept (DDP's buckets with gradient_as_bucket_view): alive
+    before and after every step, each new gradient copied in.
     """
     shape = model_shape(config)
     b, s = _check_size("batch", batch), _check_size("seq", seq)
@@ -226,5 +229,5 @@ def training_state_lifecycle(config: Any, batch: int, seq: int, *, dtype: str = 
     impl = ("foreach" if device == "cuda" else "loop") if optimizer_impl == "auto" else optimizer_impl
     kernel = attention_kernel(shape, dtype, device, attention, padded=padded)
     setup = Setup(shape, b, s, dtype, optimizer, impl, bool(optimizer_in_backward), checkpointing, device, kernel, bool(padded),
-                  bool(first_step), index, k, bool(set_to_none))
+                  bool(first_step), index, k, bool(set_to_none), bool(gradient_buffers))
     return Ledger(setup, tuple(ticks(shape.num_layers, checkpointing, setup.in_backward)), tuple(step_states(setup)))

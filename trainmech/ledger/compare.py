@@ -50,9 +50,20 @@ class Comparison:
     @property
     def measured_forward_backward_peak(self) -> int:
         """The measured peak before the update (baseline included): forward, loss and backward events."""
-        m = self.measured
-        base = sum(m.baseline.values())
-        return base + max(live for live, phase in zip(m.live, m.phases) if phase.startswith(("forward", "loss", "backward")))
+        return self.measured.forward_backward_peak()
+
+    def lifecycle_differences(self) -> dict[tuple, tuple[int, int]]:
+        """(category, created phase, released phase) -> (ledger bytes, measured bytes) where they differ,
+        over the states that cross a phase boundary."""
+        ours = self.predicted.crossing_lifecycles()
+        theirs = {k: v for k, v in self.measured.lifecycles().items() if k[1] != k[2]}
+        return {k: (ours.get(k, 0), theirs.get(k, 0)) for k in ours.keys() | theirs.keys() if ours.get(k, 0) != theirs.get(k, 0)}
+
+    def lifecycle_bytes_error(self) -> float:
+        """|ledger − measured| / measured of the bytes of every state that crosses a phase boundary."""
+        ours = sum(self.predicted.crossing_lifecycles().values())
+        theirs = sum(v for k, v in self.measured.lifecycles().items() if k[1] != k[2])
+        return abs(ours - theirs) / theirs
 
 
 def padded_batch(batch: int, seq: int) -> dict:
@@ -130,3 +141,15 @@ def measure_point(model: str, batch: int, seq: int, *, run_mode: str = "cpu", se
         if optimizer_in_backward:
             optimizer.remove()
     return out
+
+
+def measured_bytes_per_param(model: str, dtype: str, *, run_mode: str = "cpu", seed: int = 0) -> int | float:
+    """Model-state bytes per parameter measured in a first AdamW update: the weights, every gradient when
+    the update starts, and the two moments it creates (AdamW's per-tensor step counters left out)."""
+    point, = measure_point(model, 1, 16, run_mode=run_mode, seed=seed, dtype=dtype, steps=("first",))
+    m, shape = point.measured, point.predicted.shape
+    gradients = m.by_category(m.phases.index("optimizer"))["gradients"]
+    counters = 4 * len(shape.parameter_tensors()) if point.predicted.setup.device == "cpu" else 0
+    moments = m.by_category(len(m.live) - 1)["optimizer_states"] - counters
+    total = m.baseline["parameters"] + gradients + moments
+    return total // shape.n_params if total % shape.n_params == 0 else total / shape.n_params

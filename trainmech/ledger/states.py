@@ -44,6 +44,7 @@ class Setup:
     micro_batch: int  # this step is micro-batch `micro_batch` of `micro_batches` in one accumulation window
     micro_batches: int
     set_to_none: bool  # zero_grad(set_to_none=True) releases the gradients; False zeroes them in place
+    gradient_buffers: bool = False  # .grad lives in buffers that outlive every step (DDP's buckets, gradient_as_bucket_view)
 
     @property
     def r(self) -> Recipe:
@@ -57,7 +58,7 @@ class Setup:
     @property
     def grads_at_start(self) -> bool:
         """.grad exists when the step starts: an earlier micro-batch wrote it, or zero_grad kept it as zeros."""
-        return self.micro_batch > 1 or (not self.set_to_none and not self.first_step and not self.in_backward)
+        return self.gradient_buffers or self.micro_batch > 1 or (not self.set_to_none and not self.first_step and not self.in_backward)
 
 
 def step_states(setup: Setup) -> list[State]:
@@ -154,7 +155,7 @@ def _gradient(setup: Setup, name: str, nbytes: int, created: str) -> list[State]
     if setup.grads_at_start:
         born = BEFORE
         out.append(State(f"{name}.grad_contribution", "upstream_grads", nbytes, created, created))
-    if setup.updates and setup.set_to_none:
+    if setup.updates and setup.set_to_none and not setup.gradient_buffers:
         return out + [State(f"{name}.grad", "gradients", nbytes, born, "optimizer", "zero_grad")]
     return out + [State(f"{name}.grad", "gradients", nbytes, born, "optimizer" if setup.updates else AFTER, AFTER)]
 
