@@ -173,9 +173,14 @@ def test_placeholders_only_for_notebooks_not_yet_run(page):
 def _defined(module: Path, names: list[str]) -> bool:
     """Whether module (a .py file) defines names[0] at top level, and names[1:] inside it (class members)."""
     body = ast.parse(module.read_text(encoding="utf-8")).body
-    for name in names:
+    for k, name in enumerate(names):
         found = None
         for node in body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainmech.") and \
+                    any((a.asname or a.name) == name for a in node.names):  # a package re-exports it: look where it lives
+                source = ROOT.joinpath(*node.module.split("."))
+                source = source / "__init__.py" if source.is_dir() else source.with_suffix(".py")
+                return source.is_file() and _defined(source, names[k:])
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
                 found = node
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -197,7 +202,10 @@ def test_named_package_functions_exist(page):
             if not PACKAGE_NAME.fullmatch(span):
                 continue
             parts = span.removesuffix("()").split(".")[1:]
-            module = ROOT / "trainmech" / f"{parts[0]}.py"
+            folder = ROOT / "trainmech"
+            while (folder / parts[0]).is_dir() and len(parts) > 1 and (folder / parts[0] / f"{parts[1]}.py").is_file():
+                folder, parts = folder / parts[0], parts[1:]  # a package's module: trainmech.ledger.zero.per_rank
+            module = folder / parts[0] / "__init__.py" if (folder / parts[0]).is_dir() else folder / f"{parts[0]}.py"
             if not module.is_file() or (parts[1:] and not _defined(module, parts[1:])):
                 missing.append(span)
     assert not missing, f"{page} names what trainmech does not define: {missing}"

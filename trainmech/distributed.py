@@ -112,7 +112,7 @@ def _state_tensors(optimizer) -> list:
     return [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
 
 
-def _wrap(model, stage: int, group):
+def _wrap(model, stage: int, group, device):
     """The model under stage `stage` of data parallelism over `group`, and the module the step calls."""
     import torch
     from torch.distributed.fsdp import fully_shard
@@ -121,13 +121,14 @@ def _wrap(model, stage: int, group):
 
     if stage in (0, 1):
         # gradient_as_bucket_view: .grad is a view of DDP's all-reduce bucket, not a second copy of it
-        runner = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
+        ids = [device.index] if device.type == "cuda" else None  # NCCL under torchrun: one GPU per rank
+        runner = DistributedDataParallel(model, device_ids=ids, process_group=group, gradient_as_bucket_view=True)
         if stage == 0:
             return runner, torch.optim.AdamW(model.parameters(), lr=LR)
         return runner, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, process_group=group, lr=LR)
     from torch.distributed.device_mesh import DeviceMesh
 
-    mesh = DeviceMesh.from_group(group, "cpu")
+    mesh = DeviceMesh.from_group(group, device.type)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=stage == 3)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)  # the root: embedding (tied head) and final norm
@@ -136,7 +137,7 @@ def _wrap(model, stage: int, group):
 
 def _local_copies(named) -> dict:
     """name -> this rank's part of each tensor as a numpy copy: numpy copies no torch op, so no tracker sees it."""
-    return {name: _local(t).detach().numpy().copy() for name, t in named}
+    return {name: _local(t).detach().cpu().numpy().copy() for name, t in named}
 
 
 def _assembled(parts: list[dict], sharded: bool) -> dict:
@@ -160,18 +161,21 @@ def _unsharded_storages(model) -> list:
 
 
 def _one_update(stage: int, world_size: int, rank: int, group, model_name: str, batch: int, seq: int,
-                die_in_phase: str | None = None, comm_debug: bool = False) -> RankReport:
-    """Build, wrap and run one AdamW update of stage `stage` on this rank, measured; see RankReport."""
+                die_in_phase: str | None = None, comm_debug: bool = False, device=None, torch_tracker: bool = True) -> RankReport:
+    """Build, wrap and run one AdamW update of stage `stage` on this rank, measured; see RankReport.
+    device: where the model runs (the CPU with gloo; a rank's GPU with NCCL under torchrun)."""
+    import torch
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
     from trainmech import measure, profiles, workload
 
     t0 = time.perf_counter()
-    model = workload.build_model(profiles.for_mode("cpu").model(model_name), seed=0).model
-    runner, optimizer = _wrap(model, stage, group)
+    device = device or torch.device("cpu")
+    model = workload.build_model(profiles.for_mode("cpu").model(model_name), seed=0, device=device).model
+    runner, optimizer = _wrap(model, stage, group, device)
     rows = batch // world_size
-    data = {k: v[rank * rows:(rank + 1) * rows] for k, v in workload.lm_batch("domain", batch, seq).items()}
+    data = {k: v[rank * rows:(rank + 1) * rows].to(device) for k, v in workload.lm_batch("domain", batch, seq).items()}
     params = list(model.parameters())
     tracker = measure.StorageTracker(resize_tag="parameters")  # FSDP2's re-gathered parameters are parameters
     # CommDebugMode counts the same collectives, but its dispatch changes how SDPA's backward sums: only on request
@@ -179,7 +183,7 @@ def _one_update(stage: int, world_size: int, rank: int, group, model_name: str, 
     handles = measure.phase_hooks(model, tracker)
     if die_in_phase:  # tests: this rank dies mid-update
         handles += _die_when(model, die_in_phase)
-    fsdp_tracker = _fsdp_tracker(model, optimizer) if stage >= 2 and os.environ.get("TM_NO_FSDP_TRACKER") != "1" else _Nothing()
+    fsdp_tracker = _fsdp_tracker(model, optimizer) if stage >= 2 and torch_tracker else _Nothing()
     baseline = {"parameters": _held(params), "optimizer_states": 0, "gradients": 0}
     try:
         with fsdp_tracker, debug, counter, tracker:
@@ -297,7 +301,8 @@ def _quiet() -> None:
 
 
 def worker(rank: int, processes: int, port: int, world_sizes: tuple[int, ...], stages: tuple[int, ...], model_name: str,
-           batch: int, seq: int, results, die_in: tuple[int, str] | None = None, comm_debug: bool = False) -> None:
+           batch: int, seq: int, results, die_in: tuple[int, str] | None = None, comm_debug: bool = False,
+           torch_tracker: tuple[int, ...] = ()) -> None:
     """One process of `processes`: join the process group over 127.0.0.1:port (gloo); for each world size N,
     the first N processes form a group and run each stage's update in it while the others wait; each
     RankReport (or one error line) goes on `results`. Importable, so every start method can run it."""
@@ -317,7 +322,8 @@ def worker(rank: int, processes: int, port: int, world_sizes: tuple[int, ...], s
                 for stage in stages:
                     last = n == world_sizes[-1] and stage == stages[-1]
                     phase = die_in[1] if die_in is not None and die_in[0] == rank and last else None
-                    results.put(_one_update(stage, n, rank, groups[n], model_name, batch, seq, phase, comm_debug))
+                    results.put(_one_update(stage, n, rank, groups[n], model_name, batch, seq, phase, comm_debug,
+                                            torch_tracker=n in torch_tracker))
             dist.barrier()
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001  one line back to the parent, which stops the others
@@ -351,6 +357,20 @@ def _open_store(port: int):
                              f"({' '.join(str(e).split())[:120]})") from None
 
 
+def _blame_the_dead(processes, count: int, wait: float = 2.0) -> None:
+    """Raise a one-line error naming a worker that exited with a failure (waiting up to `wait` s for one)."""
+    deadline = time.monotonic() + wait
+    while True:
+        dead = [(r, p.exitcode) for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
+        if dead:
+            r, code = dead[0]
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            raise TrainmechError(f"worker {r} of {count} died ({how}) before reporting; every worker was stopped")
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+
+
 def _stop(processes) -> None:
     """Kill every worker still alive, then join them all: none is left behind."""
     for p in processes:
@@ -362,14 +382,15 @@ def _stop(processes) -> None:
 
 def run(stages=(0, 1, 2, 3), world_sizes=(1, 2, 4), *, model: str = "qwen2-tiny", batch: int = 4, seq: int = 32,
         port: int = 0, timeout: float = 120.0, start_method: str = "fork", die_in: tuple[int, str] | None = None,
-        comm_debug: bool = False) -> list[RankReport]:
+        comm_debug: bool = False, torch_tracker: tuple[int, ...] | None = None) -> list[RankReport]:
     """Every stage at every world size; one RankReport per (N, stage, rank), in that order.
 
     max(world_sizes) processes start once; for each N the first N of them form a group. port 0: the
     system picks a free one. die_in=(rank, "forward.layer.1"): that rank kills itself when the phase
     starts, in the last run (tests). comm_debug: PyTorch's CommDebugMode counts the collectives too (it
     changes SDPA's backward summation order, so the comparison with one process is no longer bitwise).
-    Refuses bad input in one line; a worker that fails or dies, or a run past `timeout` seconds, stops
+    torch_tracker: the world sizes at which PyTorch's FSDPMemTracker measures stages 2 and 3 beside the
+    tracker (None: all; it costs time). Refuses bad input in one line; a worker that fails or dies, or a run past `timeout` seconds, stops
     every worker and raises a one-line TrainmechError.
     """
     stages, world_sizes = tuple(stages), tuple(sorted(world_sizes))
@@ -378,12 +399,18 @@ def run(stages=(0, 1, 2, 3), world_sizes=(1, 2, 4), *, model: str = "qwen2-tiny"
     if start_method not in methods:
         raise TrainmechError(f"start method {start_method!r} is not available here; valid: {', '.join(methods)}")
     ctx, count = multiprocessing.get_context(start_method), max(world_sizes)
+    if start_method == "fork":  # import the engines once here rather than once in every forked worker
+        import torch.distributed.fsdp  # noqa: F401
+        import torch.distributed.optim  # noqa: F401
+        import torch.distributed.tensor.debug  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
     store = _open_store(port)
     results = ctx.Queue()
     with warnings.catch_warnings():  # Python 3.12 warns that fork() in a threaded process (a notebook kernel) may deadlock;
         warnings.simplefilter("ignore", DeprecationWarning)  # the workers only run torch and exit
         processes = [ctx.Process(target=worker, args=(r, count, store.port, world_sizes, stages, model, batch, seq, results,
-                                                      die_in, comm_debug), daemon=True) for r in range(count)]
+                                                      die_in, comm_debug, world_sizes if torch_tracker is None else tuple(torch_tracker)),
+                                 daemon=True) for r in range(count)]
         for p in processes:
             p.start()
     reports, expected, deadline = [], sum(world_sizes) * len(stages), time.monotonic() + timeout
@@ -392,15 +419,13 @@ def run(stages=(0, 1, 2, 3), world_sizes=(1, 2, 4), *, model: str = "qwen2-tiny"
             try:
                 item = results.get(timeout=0.2)
             except queue_module.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
-                if dead:
-                    raise TrainmechError(f"worker {dead[0][0]} of {count} died (exit code {dead[0][1]}) before reporting; "
-                                         "every worker was stopped") from None
+                _blame_the_dead(processes, count, wait=0.0)
                 if time.monotonic() > deadline:
                     raise TrainmechError(f"the {count}-process run took longer than {timeout:g} s; every worker was stopped")
                 continue
             if isinstance(item, tuple) and item[0] == "error":
-                raise TrainmechError(f"worker {item[1]} of {count} failed: {item[2]}")
+                _blame_the_dead(processes, count)  # a peer that died makes the others fail in their collectives
+                raise TrainmechError(f"worker {item[1]} of {count} failed: {item[2]}; every worker was stopped")
             if item.grads is not None:
                 import torch
 
@@ -439,6 +464,108 @@ def reference_update(model: str = "qwen2-tiny", batch: int = 4, seq: int = 32) -
     return float(loss.detach()), grads, {n: p.detach().clone() for n, p in m.named_parameters()}
 
 
+# ----------------------------------------------------------------------------- reading the reports
+
+
+def predictions(reports: list[RankReport], model: str = "qwen2-tiny", batch: int = 4, seq: int = 32) -> dict:
+    """(stage, N, rank) -> the ledger's per-rank book (`trainmech.ledger.zero.per_rank`)."""
+    from trainmech.ledger import zero
+
+    return {(r.stage, r.world_size, r.rank): zero.per_rank(model, batch, seq, r.stage, r.world_size, r.rank) for r in reports}
+
+
+def per_rank_table(reports: list[RankReport], books: dict, model: str = "qwen2-tiny") -> tuple[str, float, bool]:
+    """One line per (N, stage, rank): held bytes and the peak, measured beside predicted. Returns the text,
+    the worst relative peak error and whether every held byte count was predicted exactly."""
+    from trainmech.ledger import zero
+
+    lines = [f"{'N':>2} {'stage':>5} {'rank':>4} {'params':>9} {'grads':>9} {'opt states':>10} {'peak measured':>14} "
+             f"{'predicted':>10} {'error':>7}  peak phase (measured / predicted)"]
+    worst, exact = 0.0, True
+    for r in reports:
+        book = books[(r.stage, r.world_size, r.rank)]
+        peak = book.peak_overlap()
+        held = zero.held_per_rank(model, r.stage, r.world_size, r.rank)
+        exact &= held == r.held
+        err = peak.bytes / r.peak_bytes - 1
+        worst = max(worst, abs(err))
+        lines.append(f"{r.world_size:>2} {r.stage:>5} {r.rank:>4} {r.held['parameters']:>9,} {r.held['gradients']:>9,} "
+                     f"{r.held['optimizer_states']:>10,} {r.peak_bytes:>14,} {peak.bytes:>10,} {err:>+7.2%}  "
+                     f"{r.peak_phase} / {peak.phase}")
+    return "\n".join(lines), worst, exact
+
+
+def communication_table(reports: list[RankReport], model: str = "qwen2-tiny") -> tuple[str, bool]:
+    """Per (stage, N), rank 0's collectives: calls and payload, the volume in the ZeRO paper's terms (Ψ =
+    the parameter bytes), beside the prediction. Returns the text and whether every count and payload matched."""
+    from trainmech.ledger import model_shape, zero, zero_communication_volume
+
+    shape = model_shape(model)
+    psi = 4 * shape.n_params
+    lines = [f"{'N':>2} {'stage':>5}  {'collectives: calls × payload (measured)':<58} {'volume':>7} {'paper':>6}  as predicted"]
+    same = True
+    for r in (r for r in reports if r.rank == 0):
+        measured = {k: (c.calls, c.payload_bytes) for k, c in r.collectives.items()}
+        predicted = zero.communication(shape, r.stage, r.world_size)
+        same &= measured == predicted
+        text = ", ".join(f"{k.strip('_')} {c} × {b / psi:.2f}Ψ" for k, (c, b) in measured.items()) or "none (one rank)"
+        paper = zero_communication_volume(1, r.stage) if r.world_size > 1 else 0
+        lines.append(f"{r.world_size:>2} {r.stage:>5}  {text:<58} {zero.zero_volume(measured) / psi:>6.2f}Ψ {paper:>5.0f}Ψ  "
+                     f"{'yes' if measured == predicted else 'no: ' + str(predicted)}")
+    return "\n".join(lines), same
+
+
+def agreement(reports: list[RankReport], reference: tuple[float, dict, dict]) -> dict[tuple[int, int], dict]:
+    """(stage, N) -> the comparison with one process: bitwise (gradients and parameters), the largest relative
+    gradient error, the largest parameter difference, the mean loss over the ranks minus the reference loss."""
+    loss, grads, params = reference
+    out = {}
+    for r in (r for r in reports if r.rank == 0):
+        losses = [x.loss for x in reports if (x.stage, x.world_size) == (r.stage, r.world_size)]
+        out[(r.stage, r.world_size)] = {
+            "bitwise": all(torch_equal(r.grads[n], g) for n, g in grads.items()) and all(torch_equal(r.params[n], p) for n, p in params.items()),
+            "grad_rel": max(float((r.grads[n] - g).abs().max() / g.abs().max()) for n, g in grads.items()),
+            "param_abs": max(float((r.params[n] - p).abs().max()) for n, p in params.items()),
+            "loss_diff": sum(losses) / len(losses) - loss,
+        }
+    return out
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def write_records(session, reports: list[RankReport], books: dict, agreed: dict, model: str = "qwen2-tiny",
+                  batch: int = 4, seq: int = 32) -> list:
+    """One TRAIN-STATE-LEDGER record per (stage, N): rank 0's measured and predicted bytes, the others' peaks."""
+    from trainmech import profiles, workload
+
+    built = workload.build_model(profiles.for_mode("cpu").model(model), seed=0)
+    out = []
+    for r in (r for r in reports if r.rank == 0):
+        key, peak = (r.stage, r.world_size), books[(r.stage, r.world_size, 0)].peak_overlap()
+        ranks = [x for x in reports if (x.stage, x.world_size) == key]
+        data = workload.lm_batch("domain", batch, seq)
+        out.append(session.record(
+            "TRAIN-STATE-LEDGER", f"cpu-tiny-b{batch}s{seq}-zero{r.stage}-n{r.world_size}", built=built, input_shape=[batch, seq],
+            effective_batch={"sequences": batch, "supervised_tokens": workload.supervised_tokens(data["labels"])}, dtype="float32",
+            update_count=1, candidate=f"zero-stage-{r.stage}",
+            correctness={"grad_max_abs_error": None, "all_finite": None, "skipped_updates": 0, "effective_updates": 1},
+            conclusion={"evidence_level": "cpu-mechanism", "next_step": "torchrun --nproc-per-node N -m trainmech.distributed on GPUs (NCCL)"},
+            metrics={"engine": STAGES[r.stage], "world_size": r.world_size, "backend": "gloo",
+                     "held_bytes_rank0": r.held, "measured_peak_bytes_per_rank": [x.peak_bytes for x in ranks],
+                     "measured_peak_phase": r.peak_phase, "predicted_peak_bytes": peak.bytes, "predicted_peak_phase": peak.phase,
+                     "peak_error": peak.bytes / r.peak_bytes - 1, "measured_by_category": r.peak_by_category,
+                     "predicted_by_category": peak.by_category, "torch_fsdp_mem_tracker_peak_bytes": r.torch_tracker_peak,
+                     "collective_calls": {k.strip("_"): c.calls for k, c in r.collectives.items()},
+                     "collective_payload_bytes": {k.strip("_"): c.payload_bytes for k, c in r.collectives.items()},
+                     "bitwise_equal_to_one_process": agreed[key]["bitwise"], "grad_max_rel_error": agreed[key]["grad_rel"],
+                     "param_max_abs_error": agreed[key]["param_abs"]}))
+    return out
+
+
 # ----------------------------------------------------------------------------- torchrun
 
 
@@ -463,12 +590,14 @@ def main(argv: list[str] | None = None) -> int:
         _quiet()
         import torch.distributed as dist
 
-        if args.backend == "nccl":
-            import torch
+        import torch
 
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        device = torch.device("cpu")
+        if args.backend == "nccl":  # one GPU per rank
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
         dist.init_process_group(args.backend)
-        r = _one_update(args.stage, world_size, rank, dist.group.WORLD, "qwen2-tiny", args.batch, args.seq)
+        r = _one_update(args.stage, world_size, rank, dist.group.WORLD, "qwen2-tiny", args.batch, args.seq, device=device)
         print(f"rank {rank}/{world_size} stage {args.stage} ({STAGES[args.stage]}): loss {r.loss:.4f}; held "
               + ", ".join(f"{k} {v:,} B" for k, v in r.held.items())
               + f"; peak {r.peak_bytes:,} B in {r.peak_phase}; "

@@ -89,11 +89,6 @@ def cuda_allocated(device: torch.device) -> int | None:
 # scratch that never becomes a tensor is invisible here; the allocator sees it
 # (`allocator_peak_cpu`, from torch.profiler's memory events).
 
-try:  # FSDP2's parameters are DTensors; the tracker follows their local shards
-    from torch.distributed.tensor import DTensor as _DTENSOR
-except ImportError:  # a torch built without distributed
-    _DTENSOR = None
-
 MEMORY_CATEGORIES = CATEGORIES  # the ledger's seven categories (trainmech.ledger.categories)
 FORWARD_PHASES = ("forward", "loss")  # phase-name prefixes of the forward pass and the loss
 
@@ -137,7 +132,7 @@ class StorageTracker(TorchDispatchMode):
         self._tag_births: str | None = None  # set by `tagging`
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _DTENSOR is not None and _DTENSOR in types:
+        if any(t.__name__ == "DTensor" for t in types):  # by name: importing DTensor costs seconds
             return NotImplemented  # let a DTensor (FSDP2) turn the op into ops on its local shards, which come back here
         out = func(*args, **(kwargs or {}))
         if active_fake_mode() is not self._fake_on_entry:

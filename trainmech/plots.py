@@ -339,6 +339,47 @@ def memory_viz_timeline(history, *, columns: int = 300, min_share: float = 0.004
     return fig
 
 
+def per_rank_bytes(reports, books):
+    """Rank 0's tracked peak for each (ZeRO stage, world size): measured composition stacked by category, the
+    ledger's predicted peak as a black dash; below, the model-state bytes the rank holds after the update.
+
+    reports: trainmech.distributed.RankReport list; books: (stage, N, rank) -> the ledger's per-rank book.
+    """
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    rows = [r for r in reports if r.rank == 0]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 5.6), layout="constrained", sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    plt.close(fig)
+    kib = 2**10
+    xs = range(len(rows))
+    base = [0.0] * len(rows)
+    for category, colour in CATEGORY_COLOURS.items():
+        vals = [r.peak_by_category[category] / kib for r in rows]
+        top.bar(xs, vals, bottom=base, color=colour, width=0.7)
+        base = [a + b for a, b in zip(base, vals)]
+    top.scatter(xs, [books[(r.stage, r.world_size, 0)].peak_overlap().bytes / kib for r in rows], marker="_", s=500,
+                color="black", zorder=3)
+    top.set(ylabel="peak, rank 0 (KiB)", title="per-rank peak of one update: measured (bars) and the ledger (dash)")
+    top.set_ylim(0, max(base) * 1.45)
+    handles = [Patch(color=c, label=k) for k, c in CATEGORY_COLOURS.items()]
+    handles.append(Line2D([], [], marker="_", ms=14, ls="", color="black", label="ledger's predicted peak"))
+    top.legend(handles=handles, fontsize=7, ncols=4, loc="upper right")
+    held = ("parameters", "gradients", "optimizer_states")
+    width = 0.25
+    for k, name in enumerate(held):
+        bottom.bar([x + (k - 1) * width for x in xs], [r.held[name] / kib for r in rows], width, color=CATEGORY_COLOURS[name],
+                   label=name)
+    bottom.set(ylabel="held after the update (KiB)", xlabel="ZeRO stage (PyTorch's engine) × world size N")
+    bottom.set_xticks(list(xs), [f"stage {r.stage}\nN={r.world_size}" for r in rows], fontsize=7)
+    bottom.legend(fontsize=7, ncols=3, loc="upper right")
+    bottom.set_ylim(0, max(r.held["optimizer_states"] for r in rows) / kib * 1.4)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
 # ----------------------------------------------------------------------------- Task5: strategies
 
 

@@ -299,6 +299,19 @@ def check_rng_resume(probe: Probe) -> str:
     return f"parameters, optimizer and the {probe.device.type} RNG restored from safetensors"
 
 
+def check_distributed_torchrun(probe: Probe) -> str:
+    """The torchrun entry of trainmech.distributed on one rank: NCCL on the GPU, gloo on a CPU."""
+    import subprocess
+    import sys
+
+    backend = "nccl" if probe.cuda else "gloo"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+                          "trainmech.distributed", "--stage", "3", "--backend", backend], capture_output=True, text=True, timeout=300)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("rank 0/1")]
+    require(run.returncode == 0 and len(lines) == 1, f"torchrun exit {run.returncode}: {(run.stderr or run.stdout).strip().splitlines()[-1:]}")
+    return f"{backend}: {lines[0][:160]}"
+
+
 # ----------------------------------------------------------------------------- the registry
 
 
@@ -331,7 +344,8 @@ PACKAGE = [
            "torch.cuda.memory._record_memory_history(stacks='python') around a tracked step; the snapshot's blocks "
            "labelled by the tracker (CPU: the tracker's own history)", check_memory_history, 2),
     Branch("ledger.cuda", ("ledger.inventory.attention_kernel", "ledger.states._state_bytes_per_tensor",
-                           "ledger.book.training_state_lifecycle", "ledger.compare.measure_point", "ledger.peers.benchmark",
+                           "ledger.book.training_state_lifecycle", "ledger.compare.measure_point", "ledger.compare.measured_bytes_per_param",
+                           "ledger.peers.benchmark",
                            "ledger.cli.render"),
            "kernel choice: fp32 grouped-query attention falls back to math on CUDA, a padded batch runs the efficient kernel "
            "(flash on CPU); foreach AdamW temporaries and AdamW's step counters on the host on CUDA; the allocator model's peaks",
@@ -347,6 +361,9 @@ PACKAGE = [
                           "gates.performance_verdict"),
            "the CUDA RNG in the inputs gate; empty_cache and allocator peaks in the performance stage; accept / tune / reject",
            check_gates, 8),
+    Branch("distributed.torchrun", ("distributed._wrap", "distributed.main"),
+           "trainmech.distributed under torchrun with NCCL: the model on the rank's GPU, DDP device_ids, a cuda DeviceMesh",
+           check_distributed_torchrun, 20),
     Branch("update.rng", ("update._rng_state", "update._set_rng_state"),
            "the CUDA generator's state saved into and restored from the checkpoint", check_rng_resume, 2),
 ]

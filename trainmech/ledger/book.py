@@ -101,9 +101,11 @@ class Ledger:
         return out
 
     def saved_after_forward(self) -> int:
-        """Saved bytes alive after the forward's last tick ("loss"); an offloaded state whose device copy
-        leaves at that very tick is not counted."""
-        return self.live()[self.ticks.index("loss")][1]["saved"]
+        """Saved bytes still alive once the forward's last tick ("loss") is over: a state released at that
+        tick (an offloaded state whose device copy leaves then) is not counted."""
+        index = {t: k for k, t in enumerate(self.ticks)} | {BEFORE: -1, AFTER: len(self.ticks)}
+        last = index["loss"]
+        return sum(st.nbytes for st in self.states if st.category == "saved" and index[st.created] <= last < index[st.released_at])
 
     def crossing_lifecycles(self) -> dict[tuple[str, str, str | None], int]:
         """(category, created phase, released phase or None) -> bytes, for the states that cross a phase
