@@ -169,6 +169,19 @@ def predict_peak(cfg, batch, seq):
     return phase, at[phase]
 
 
+def fsdp_held_bytes(model, world_size, rank):
+    """Bytes one rank holds after an FSDP2 AdamW update (fp32): padded shards of parameters and gradients,
+    the moments of its own rows and one step counter per tensor."""
+    padded = own = tensors = 0
+    for p in model.parameters():                    # a tied weight is listed once
+        rows, per_row = p.shape[0], p.numel() // p.shape[0]
+        chunk = -(-rows // world_size)              # every rank stores ceil(rows / N) rows ...
+        padded += chunk * per_row
+        own += max(0, min(chunk, rows - rank * chunk)) * per_row  # ... of which these are its own
+        tensors += 1
+    return {"parameters": 4 * padded, "gradients": 4 * padded, "optimizer_states": 8 * own + 4 * tensors}
+
+
 # ============================================================================= Task5
 
 
@@ -260,6 +273,7 @@ SOLUTIONS = {
     "task4.layer_saved_bytes": layer_saved_bytes,
     "task4.gradient_lifecycle": gradient_lifecycle,
     "task4.predict_peak": predict_peak,
+    "task4.fsdp_held_bytes": fsdp_held_bytes,
     "task5.offload_hooks": make_offload_hooks,
     "task5.checkpoint": my_checkpoint,
     "task6.gradient_gate": gradient_gate,

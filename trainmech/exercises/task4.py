@@ -150,3 +150,33 @@ def _task4_predict_peak(run: _Run) -> None:
                 lines.append("    提示：set_to_none=True 时，上一次更新后梯度已被释放：反向刚开始时梯度是 0")
             raise _Wrong(lines, f"{', '.join(off)} 与实测不符")
         run.ok(f"{where}：峰值在 {phase}，{len(CATEGORIES)} 个类别都在实测的 2% 以内（实测峰值 {peak:,} 字节）")
+
+
+@_exercise("task4.fsdp_held_bytes", "FSDP2 的每个 rank 持有多少字节")
+def _task4_fsdp_held(run: _Run) -> None:
+    from trainmech import distributed
+
+    n = 3  # 3 ranks: the model's 64- and 176-row tensors do not split evenly
+    reports = {r.rank: r for r in distributed.run(stages=(3,), world_sizes=(n,), batch=n, seq=16, torch_tracker=())}
+    model = _tiny_model()
+    for c, rank in enumerate((0, n - 1), 1):
+        where = f"输入 {c}（qwen2-tiny，FSDP2 每层 + 根模块，world_size={n}，rank={rank}）"
+        ours = run.call(where, model, n, rank)
+        if not isinstance(ours, dict) or set(ours) != {"parameters", "gradients", "optimizer_states"}:
+            raise _Wrong(f"✗ {where}：应返回 {{'parameters', 'gradients', 'optimizer_states'}} 三个键的字典，你返回了 {ours!r:.80}")
+        measured = reports[rank].held
+        if {k: int(v) for k, v in ours.items()} == measured:
+            run.ok(f"{where}：参数 {measured['parameters']:,}、梯度 {measured['gradients']:,}、优化器状态 "
+                   f"{measured['optimizer_states']:,} 字节，与实测逐字节一致")
+            continue
+        lines = [f"✗ {where}：与 {n} 个进程实测的持有字节不一致："]
+        lines += [f"    {k:<17} 你的 {int(ours.get(k, 0)):>9,}  实测 {measured[k]:>9,}（差 {int(ours.get(k, 0)) - measured[k]:+,}）"
+                  for k in measured if int(ours.get(k, 0)) != measured[k]]
+        psi = sum(p.numel() for p in model.parameters())
+        if int(ours["parameters"]) in (4 * psi // n, -(-4 * psi // n)):
+            lines.append("    提示：FSDP2 按每个张量的第 0 维切，不是把全部元素平均分：每个 rank 存 ⌈d0/N⌉ 行")
+        elif int(ours["parameters"]) < measured["parameters"]:
+            lines.append("    提示：行数除不尽时，每个 rank 的分片都填充到 ⌈d0/N⌉ 行（最后一个 rank 也一样），字节按填充后的大小算")
+        if int(ours["optimizer_states"]) != measured["optimizer_states"] and int(ours["parameters"]) == measured["parameters"]:
+            lines.append("    提示：AdamW 的两个矩只覆盖本 rank 自己的行（不含填充）；每个参数张量另有一个 4 字节的 step 计数")
+        raise _Wrong(lines, "FSDP2 每个 rank 的持有字节与实测不符")
