@@ -22,8 +22,8 @@ gradients and updated parameters (gathered) for the comparison with one process.
 
 The processes talk over gloo on 127.0.0.1 only. The rendezvous store is opened by the parent on a
 port the system picks (no race for a free port). The workers are plain module-level functions, so
-any start method works: "fork" (the default on Linux) starts them from the caller's warm interpreter
-in well under a second; "spawn" / "forkserver" import this module afresh. Every worker is joined, or
+any start method works: "fork" starts them from the caller's warm interpreter in well under a
+second; "spawn" / "forkserver" import this module afresh (the default after CUDA was used here). Every worker is joined, or
 killed when one fails or the timeout passes; a failure is one line (`TrainmechError`).
 
 The same worker runs under torchrun, one process per GPU or per CPU rank:
@@ -381,12 +381,13 @@ def _stop(processes) -> None:
 
 
 def run(stages=(0, 1, 2, 3), world_sizes=(1, 2, 4), *, model: str = "qwen2-tiny", batch: int = 4, seq: int = 32,
-        port: int = 0, timeout: float = 120.0, start_method: str = "fork", die_in: tuple[int, str] | None = None,
+        port: int = 0, timeout: float = 120.0, start_method: str = "auto", die_in: tuple[int, str] | None = None,
         comm_debug: bool = False, torch_tracker: tuple[int, ...] | None = None) -> list[RankReport]:
     """Every stage at every world size; one RankReport per (N, stage, rank), in that order.
 
-    max(world_sizes) processes start once; for each N the first N of them form a group. port 0: the
-    system picks a free one. die_in=(rank, "forward.layer.1"): that rank kills itself when the phase
+    max(world_sizes) processes start once; for each N the first N of them form a group. start_method
+    "auto": "fork" (fast: the workers start from this warm interpreter) unless this process has used
+    CUDA, then "spawn" (the workers import this module afresh). port 0: the system picks a free one. die_in=(rank, "forward.layer.1"): that rank kills itself when the phase
     starts, in the last run (tests). comm_debug: PyTorch's CommDebugMode counts the collectives too (it
     changes SDPA's backward summation order, so the comparison with one process is no longer bitwise).
     torch_tracker: the world sizes at which PyTorch's FSDPMemTracker measures stages 2 and 3 beside the
@@ -395,6 +396,10 @@ def run(stages=(0, 1, 2, 3), world_sizes=(1, 2, 4), *, model: str = "qwen2-tiny"
     """
     stages, world_sizes = tuple(stages), tuple(sorted(world_sizes))
     _check(stages, world_sizes, batch)
+    if start_method == "auto":  # a process that has used CUDA must not fork: its children could not touch CUDA safely
+        import torch
+
+        start_method = "spawn" if torch.cuda.is_initialized() else "fork"
     methods = multiprocessing.get_all_start_methods()
     if start_method not in methods:
         raise TrainmechError(f"start method {start_method!r} is not available here; valid: {', '.join(methods)}")

@@ -19,14 +19,15 @@ import torch
 
 from trainmech.errors import TrainmechError
 
-IMPLS = ("loop", "foreach", "fused")
+IMPLS = ("auto", "loop", "foreach", "fused")
 
 
 def adamw(params, impl: str = "loop", **kwargs) -> torch.optim.AdamW:
-    """torch.optim.AdamW with the implementation chosen explicitly (foreach=False / True, or fused=True)."""
+    """torch.optim.AdamW with the implementation chosen explicitly (foreach=False / True, or fused=True), or
+    "auto": PyTorch's own choice for the parameters' device (the loop on CPU, foreach on CUDA)."""
     if impl not in IMPLS:
         raise TrainmechError(f"unknown AdamW implementation {impl!r}; valid: {', '.join(IMPLS)}")
-    choice = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+    choice = {"auto": {}, "loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
     return torch.optim.AdamW(params, **choice, **kwargs)
 
 

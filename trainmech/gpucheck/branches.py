@@ -312,6 +312,19 @@ def check_distributed_torchrun(probe: Probe) -> str:
     return f"{backend}: {lines[0][:160]}"
 
 
+def check_distributed_spawn(probe: Probe) -> str:
+    """trainmech.distributed.run from this process: on a GPU machine CUDA is initialised here, so "auto"
+    spawns; on a CPU "spawn" is forced, the same path."""
+    from trainmech import distributed
+
+    method = "auto" if probe.cuda else "spawn"
+    if probe.cuda:
+        torch.zeros(1, device=probe.device)  # CUDA initialised in this process, as in a CUDA-mode notebook
+    reports = distributed.run(stages=(3,), world_sizes=(2,), start_method=method, timeout=300, torch_tracker=())
+    require(len(reports) == 2 and reports[0].held["parameters"] == reports[1].held["parameters"], f"reports {reports}")
+    return f"{method}: 2 workers, FSDP2 stage 3, {reports[0].held['parameters']:,} parameter bytes per rank"
+
+
 # ----------------------------------------------------------------------------- the registry
 
 
@@ -344,7 +357,7 @@ PACKAGE = [
            "torch.cuda.memory._record_memory_history(stacks='python') around a tracked step; the snapshot's blocks "
            "labelled by the tracker (CPU: the tracker's own history)", check_memory_history, 2),
     Branch("ledger.cuda", ("ledger.inventory.attention_kernel", "ledger.states._state_bytes_per_tensor",
-                           "ledger.book.training_state_lifecycle", "ledger.compare.measure_point", "ledger.compare.measured_bytes_per_param",
+                           "ledger.book.training_state_lifecycle", "ledger.compare.measure_point",
                            "ledger.peers.benchmark",
                            "ledger.cli.render"),
            "kernel choice: fp32 grouped-query attention falls back to math on CUDA, a padded batch runs the efficient kernel "
@@ -364,6 +377,9 @@ PACKAGE = [
     Branch("distributed.torchrun", ("distributed._wrap", "distributed.main"),
            "trainmech.distributed under torchrun with NCCL: the model on the rank's GPU, DDP device_ids, a cuda DeviceMesh",
            check_distributed_torchrun, 20),
+    Branch("distributed.spawn", ("distributed.run",),
+           "after CUDA was used in this process the workers are spawned, not forked (CPU: spawn forced)",
+           check_distributed_spawn, 25),
     Branch("update.rng", ("update._rng_state", "update._set_rng_state"),
            "the CUDA generator's state saved into and restored from the checkpoint", check_rng_resume, 2),
 ]
@@ -387,9 +403,8 @@ NOTEBOOK_CELLS = {
     "Task3:cell-46": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
     "Task4:cell-03": "ledger.CUDA_POINTS instead of the CPU points",
     "Task4:cell-17": "lifecycle bytes within 1 % instead of byte for byte",
-    "Task4:cell-26": "allocator peaks, reserved − allocated, the allocator history",
+    "Task4:cell-26": "the allocator model's allocated / reserved peaks against the GPU's own, the allocator history",
     "Task4:cell-28": "allocated / reserved peaks into the record; measured_with torch.cuda.max_memory_allocated",
-    "Task4:cell-32": "the bf16 inventory on Qwen2.5-0.5B b1 s256 instead of the CPU workload",
     "Task5:cell-05": "warm-up and timed updates, allocator peaks, the forward+backward probe; tolerances instead of bitwise",
     "Task5:cell-09": "the baseline peak claim is CPU-only",
     "Task5:cell-25": "RNG-preserving replay within GRAD_RTOL_CUDA instead of bitwise",

@@ -48,6 +48,16 @@ class Comparison:
         return (self.predicted_peak - self.measured_peak) / self.measured_peak
 
     @property
+    def tracked_peak(self) -> int:
+        """The tracked tensor peak on any device (on CUDA `measured_peak` is the allocator's, with its rounding)."""
+        return self.measured.peak_bytes
+
+    @property
+    def tracked_error(self) -> float:
+        """(predicted − tracked) / tracked: the ledger's tensor accounting alone."""
+        return (self.predicted_peak - self.tracked_peak) / self.tracked_peak
+
+    @property
     def measured_forward_backward_peak(self) -> int:
         """The measured peak before the update (baseline included): forward, loss and backward events."""
         return self.measured.forward_backward_peak()
@@ -77,13 +87,11 @@ def padded_batch(batch: int, seq: int) -> dict:
 
 
 def _optimizer(params, impl: str, in_backward: bool):
-    import torch
-
     from trainmech import optimizers
 
     if in_backward:
-        return optimizers.OptimizerInBackward(params, "loop" if impl == "auto" else impl, lr=1e-4)
-    return torch.optim.AdamW(params, lr=1e-4) if impl == "auto" else optimizers.adamw(params, impl, lr=1e-4)
+        return optimizers.OptimizerInBackward(params, impl, lr=1e-4)
+    return optimizers.adamw(params, impl, lr=1e-4)
 
 
 def measure_point(model: str, batch: int, seq: int, *, run_mode: str = "cpu", seed: int = 0, dtype: str = "fp32",
@@ -149,7 +157,7 @@ def measured_bytes_per_param(model: str, dtype: str, *, run_mode: str = "cpu", s
     point, = measure_point(model, 1, 16, run_mode=run_mode, seed=seed, dtype=dtype, steps=("first",))
     m, shape = point.measured, point.predicted.shape
     gradients = m.by_category(m.phases.index("optimizer"))["gradients"]
-    counters = 4 * len(shape.parameter_tensors()) if point.predicted.setup.device == "cpu" else 0
+    counters = 4 * len(shape.parameter_tensors())  # state["step"]: the tracker sees it on the host too
     moments = m.by_category(len(m.live) - 1)["optimizer_states"] - counters
     total = m.baseline["parameters"] + gradients + moments
     return total // shape.n_params if total % shape.n_params == 0 else total / shape.n_params
