@@ -120,17 +120,17 @@ def _pieces(book, state) -> list[int]:
     """The tensors one ledger state stands for: lumps (parameters, optimizer states, the foreach
     temporaries) are one tensor per parameter tensor; everything else is one tensor."""
     numels = [n for _, n in book.shape.parameter_tensors()]
-    r = book.setup.r
+    dtypes = book.setup.dtypes
     if state.name == "parameters":
-        return [n * r.weight_bytes for n in numels]
+        return [n * dtypes.weight_bytes for n in numels]
     if state.category == "optimizer_states" and state.name.startswith("optimizer.") and "@" not in state.name:
         if state.name == "optimizer.step_counters":
             return [4] * len(numels)
-        per_tensor = ([r.master_bytes] if r.master_bytes else []) + (
-            [r.moment_bytes] * {"adamw": 2, "sgd-momentum": 1}.get(book.optimizer, 0))
+        per_tensor = ([dtypes.master_bytes] if dtypes.master_bytes else []) + (
+            [dtypes.moment_bytes] * {"adamw": 2, "sgd-momentum": 1}.get(book.optimizer, 0))
         return [n * b for n in numels for b in per_tensor]
     if state.name == "optimizer.sqrt_temporaries" and book.setup.optimizer_impl == "foreach":
-        return [n * r.moment_bytes for n in numels]
+        return [n * dtypes.moment_bytes for n in numels]
     return [state.nbytes]
 
 

@@ -85,7 +85,7 @@ class Ledger:
 
     def peak_overlap(self, where=lambda tick: True) -> Peak:
         """The first tick with the most bytes alive (among the ticks `where` accepts), and its composition."""
-        tick, row = max(((t, r) for t, r in self.live() if where(t)), key=lambda tr: sum(tr[1].values()))
+        tick, row = max(((t, alive) for t, alive in self.live() if where(t)), key=lambda pair: sum(pair[1].values()))
         return Peak(tick, sum(row.values()), row)
 
     def forward_backward_peak(self) -> Peak:

@@ -115,12 +115,12 @@ def measure_point(model: str, batch: int, seq: int, *, run_mode: str = "cpu", se
 
     if tuple(steps) not in (("first",), STEPS):
         raise TrainmechError(f"steps must be ('first',) or ('first', 'steady'), got {tuple(steps)!r}: a steady step needs a first one before it")
-    r = recipe(dtype)
-    if r.master_bytes:
+    dtypes = recipe(dtype)
+    if dtypes.master_bytes:
         raise TrainmechError(f"measure_point runs fp32, bf16 or autocast recipes, not {dtype!r} (paper accounting)")
     profile = profiles.for_mode(run_mode)
     device = torch.device("cuda" if profile.device == "cuda" else "cpu")
-    model_dtype = torch.float32 if r.autocast or r.weight_bytes == 4 else torch.bfloat16 if dtype == "bf16" else torch.float16
+    model_dtype = torch.float32 if dtypes.autocast or dtypes.weight_bytes == 4 else torch.bfloat16 if dtype == "bf16" else torch.float16
     autocast = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(dtype)
     built = workload.build_model(profile.model(model), seed=seed, dtype=model_dtype, device=device)
     if checkpointing == "full":
@@ -155,9 +155,9 @@ def measured_bytes_per_param(model: str, dtype: str, *, run_mode: str = "cpu", s
     """Model-state bytes per parameter measured in a first AdamW update: the weights, every gradient when
     the update starts, and the two moments it creates (AdamW's per-tensor step counters left out)."""
     point, = measure_point(model, 1, 16, run_mode=run_mode, seed=seed, dtype=dtype, steps=("first",))
-    m, shape = point.measured, point.predicted.shape
-    gradients = m.by_category(m.phases.index("optimizer"))["gradients"]
+    step, shape = point.measured, point.predicted.shape
+    gradients = step.by_category(step.phases.index("optimizer"))["gradients"]
     counters = 4 * len(shape.parameter_tensors())  # state["step"]: the tracker sees it on the host too
-    moments = m.by_category(len(m.live) - 1)["optimizer_states"] - counters
-    total = m.baseline["parameters"] + gradients + moments
+    moments = step.by_category(len(step.live) - 1)["optimizer_states"] - counters
+    total = step.baseline["parameters"] + gradients + moments
     return total // shape.n_params if total % shape.n_params == 0 else total / shape.n_params

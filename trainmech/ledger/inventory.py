@@ -85,26 +85,26 @@ def attention_saved(shape: ModelShape, b: int, s: int, element_bytes: int, kerne
     and output copy are consumed (o_proj's and probs @ v's backward) before its softmax backward, the
     `attention` moment, so they are released at the layer's `mlp` moment.
     """
-    heads, kv_heads, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, element_bytes
+    heads, kv_heads, d, act = shape.num_heads, shape.num_kv_heads, shape.head_dim, element_bytes
     if kernel == "math":
-        return [SavedTensor("self_attn.q_scaled", (b, heads, s, d), e, "attention"),
-                SavedTensor("self_attn.k_scaled_t", (b, heads, d, s), e, "attention"),  # repeated to all heads
-                SavedTensor("self_attn.v_repeated", (b, heads, s, d), e, "mlp"),
-                SavedTensor("self_attn.probs", (b, heads, s, s), e, "attention"),  # the s² term
-                SavedTensor("self_attn.attn_out", (b, s, heads * d), e, "mlp")]  # o_proj's input
+        return [SavedTensor("self_attn.q_scaled", (b, heads, s, d), act, "attention"),
+                SavedTensor("self_attn.k_scaled_t", (b, heads, d, s), act, "attention"),  # repeated to all heads
+                SavedTensor("self_attn.v_repeated", (b, heads, s, d), act, "mlp"),
+                SavedTensor("self_attn.probs", (b, heads, s, s), act, "attention"),  # the s² term
+                SavedTensor("self_attn.attn_out", (b, s, heads * d), act, "mlp")]  # o_proj's input
     rows = -(-s // 32) * 32 if kernel == "efficient" else s
     kv_kept = heads if padded else kv_heads  # a mask: transformers' repeat_kv copies K and V to every head
-    out = [SavedTensor("self_attn.q_rope", (b, heads, s, d), e, "attention"),  # q after RoPE, read by SDPA's backward
-           SavedTensor("self_attn.k_repeated" if padded else "self_attn.k_rope", (b, kv_kept, s, d), e, "attention"),
-           SavedTensor("self_attn.v_repeated" if padded else "self_attn.v", (b, kv_kept, s, d), e, "attention")]
+    out = [SavedTensor("self_attn.q_rope", (b, heads, s, d), act, "attention"),  # q after RoPE, read by SDPA's backward
+           SavedTensor("self_attn.k_repeated" if padded else "self_attn.k_rope", (b, kv_kept, s, d), act, "attention"),
+           SavedTensor("self_attn.v_repeated" if padded else "self_attn.v", (b, kv_kept, s, d), act, "attention")]
     if padded:
         columns = -(-s // 16) * 16 if kernel == "efficient" else s
-        out.append(SavedTensor("self_attn.mask_bias", (b, 1, s, columns), e, "attention"))  # bool mask -> additive bias
-    return out + [SavedTensor("self_attn.sdpa_out", (b, s, heads * d), e, "attention"),  # also o_proj's input
+        out.append(SavedTensor("self_attn.mask_bias", (b, 1, s, columns), act, "attention"))  # bool mask -> additive bias
+    return out + [SavedTensor("self_attn.sdpa_out", (b, s, heads * d), act, "attention"),  # also o_proj's input
                   SavedTensor("self_attn.sdpa_logsumexp", (b, heads, rows), FP32_BYTES, "attention")]  # instead of s×s
 
 
-def _autocast_copies(shape: ModelShape, b: int, s: int, e: int) -> list[SavedTensor]:
+def _autocast_copies(shape: ModelShape, b: int, s: int, act: int) -> list[SavedTensor]:
     """torch.autocast: each projection keeps a 16-bit copy of its fp32 input and of its weight (the
     weight copy is cast once per forward and cached); q and k after the fp32 RoPE are cast for SDPA."""
     h, inner, q, kv = shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
@@ -114,9 +114,9 @@ def _autocast_copies(shape: ModelShape, b: int, s: int, e: int) -> list[SavedTen
                                                    ("gate_proj", inner, h, "mlp", True), ("up_proj", inner, h, "mlp", True),
                                                    ("down_proj", h, inner, "down_proj", False)]:
         module = ("self_attn." if name[0] in "qkvo" else "mlp.") + name
-        rows.append(SavedTensor(f"{module}.weight_16bit", (n_out, n_in), e, moment))
+        rows.append(SavedTensor(f"{module}.weight_16bit", (n_out, n_in), act, moment))
         if casts_input:  # o_proj and down_proj read a 16-bit tensor already
-            rows.append(SavedTensor(f"{module}.input_16bit", (b, s, n_in), e, moment))
+            rows.append(SavedTensor(f"{module}.input_16bit", (b, s, n_in), act, moment))
     return rows
 
 
@@ -129,28 +129,28 @@ def layer_saved(shape: ModelShape, batch: int, seq: int, recipe_name: str = "fp3
     activations both norms keep an fp32 upcast copy of their input instead; under autocast the
     residual stream stays fp32 and the projections keep 16-bit copies (`_autocast_copies`).
     """
-    r = recipe(recipe_name)
+    dtypes = recipe(recipe_name)
     kernel = attention_kernel(shape, recipe_name, device, kernel, padded=padded)
-    if r.autocast and kernel == "math":
+    if dtypes.autocast and kernel == "math":
         raise TrainmechError("the ledger does not model SDPA's math kernel under autocast (it runs flash or efficient there)")
-    b, s, h, inner, e = batch, seq, shape.hidden_size, shape.intermediate_size, r.activation_bytes
-    if r.autocast:  # the residual stream and the norms stay fp32; matmuls read 16-bit copies
-        attention = attention_saved(shape, b, s, e, kernel, padded)
-        copies = _autocast_copies(shape, b, s, e)
+    b, s, h, inner, act = batch, seq, shape.hidden_size, shape.intermediate_size, dtypes.activation_bytes
+    if dtypes.autocast:  # the residual stream and the norms stay fp32; matmuls read 16-bit copies
+        attention = attention_saved(shape, b, s, act, kernel, padded)
+        copies = _autocast_copies(shape, b, s, act)
         return [*norm_saved("input_layernorm", b, s, h, FP32_BYTES, "input_layernorm", own_input=False, keeps_output=False),
                 *[c for c in copies if c.consumed_at == "input_layernorm"],
                 *attention, *[c for c in copies if c.name.startswith("self_attn.o_proj")],
                 *norm_saved("post_attention_layernorm", b, s, h, FP32_BYTES, "mlp", own_input=True, keeps_output=False),
                 *[c for c in copies if c.consumed_at in ("mlp", "down_proj")],
-                SavedTensor("mlp.gate", (b, s, inner), e, "mlp"), SavedTensor("mlp.up", (b, s, inner), e, "mlp"),
-                SavedTensor("mlp.act", (b, s, inner), e, "mlp"), SavedTensor("mlp.act_up", (b, s, inner), e, "down_proj")]
-    sixteen = r.sixteen_bit
+                SavedTensor("mlp.gate", (b, s, inner), act, "mlp"), SavedTensor("mlp.up", (b, s, inner), act, "mlp"),
+                SavedTensor("mlp.act", (b, s, inner), act, "mlp"), SavedTensor("mlp.act_up", (b, s, inner), act, "down_proj")]
+    sixteen = dtypes.sixteen_bit
     return [
-        *norm_saved("input_layernorm", b, s, h, e, "input_layernorm", own_input=sixteen),
-        *attention_saved(shape, b, s, e, kernel, padded),
-        *norm_saved("post_attention_layernorm", b, s, h, e, "mlp", own_input=True),  # fp32: the residual x + attn
-        SavedTensor("mlp.gate", (b, s, inner), e, "mlp"),  # silu's input
-        SavedTensor("mlp.up", (b, s, inner), e, "mlp"),
-        SavedTensor("mlp.act", (b, s, inner), e, "mlp"),  # silu(gate)
-        SavedTensor("mlp.act_up", (b, s, inner), e, "down_proj"),  # silu(gate) * up, down_proj's input
+        *norm_saved("input_layernorm", b, s, h, act, "input_layernorm", own_input=sixteen),
+        *attention_saved(shape, b, s, act, kernel, padded),
+        *norm_saved("post_attention_layernorm", b, s, h, act, "mlp", own_input=True),  # fp32: the residual x + attn
+        SavedTensor("mlp.gate", (b, s, inner), act, "mlp"),  # silu's input
+        SavedTensor("mlp.up", (b, s, inner), act, "mlp"),
+        SavedTensor("mlp.act", (b, s, inner), act, "mlp"),  # silu(gate)
+        SavedTensor("mlp.act_up", (b, s, inner), act, "down_proj"),  # silu(gate) * up, down_proj's input
     ]

@@ -47,7 +47,7 @@ class Setup:
     gradient_buffers: bool = False  # .grad lives in buffers that outlive every step (DDP's buckets, gradient_as_bucket_view)
 
     @property
-    def r(self) -> Recipe:
+    def dtypes(self) -> Recipe:
         return recipe(self.recipe)
 
     @property
@@ -66,47 +66,47 @@ def step_states(setup: Setup) -> list[State]:
 
 
 def model_states(setup: Setup) -> list[State]:
-    return [State("parameters", "parameters", setup.shape.n_params * setup.r.weight_bytes, BEFORE, AFTER)]
+    return [State("parameters", "parameters", setup.shape.n_params * setup.dtypes.weight_bytes, BEFORE, AFTER)]
 
 
-def _residual_bytes(r: Recipe) -> int:
+def _residual_bytes(dtypes: Recipe) -> int:
     """The residual stream's element bytes: the embedding's dtype (fp32 under autocast)."""
-    return r.weight_bytes
+    return dtypes.weight_bytes
 
 
 def forward_states(setup: Setup) -> list[State]:
     """What the forward and the loss create: saved tensors and unsaved activations."""
-    shape, b, s, r = setup.shape, setup.batch, setup.seq, setup.r
-    h, v, n, d, e = shape.hidden_size, shape.vocab_size, shape.num_layers, shape.head_dim, r.activation_bytes
-    pure_16bit = r.sixteen_bit and not r.autocast
+    shape, b, s, dtypes = setup.shape, setup.batch, setup.seq, setup.dtypes
+    h, v, n, d, act = shape.hidden_size, shape.vocab_size, shape.num_layers, shape.head_dim, dtypes.activation_bytes
+    pure_16bit = dtypes.sixteen_bit and not dtypes.autocast
     out = [State("position_ids", "unsaved_activations", s * INDEX_BYTES, "forward.embed", "forward.head:norm"),
            # Qwen2RotaryEmbedding in fp32: angles (s, d/2), their doubled copy and cos or sin before scaling
            State("rope.angles", "unsaved_activations", (s * d // 2 + 2 * s * d) * FP32_BYTES, "forward.embed", "forward.embed"),
-           State("rope.cos_sin", "saved", 2 * s * d * _residual_bytes(r), "forward.embed", "backward.layer.0:attention")]
+           State("rope.cos_sin", "saved", 2 * s * d * _residual_bytes(dtypes), "forward.embed", "backward.layer.0:attention")]
     if setup.padded:  # the boolean causal-and-padding mask (b, 1, s, s) the model builds once and holds over the layers
         out.append(State("attention_mask", "unsaved_activations", b * s * s, "forward.embed", "forward.head:norm"))
     if pure_16bit:  # the 16-bit embedding output: nobody saves it, but Qwen2Model.forward holds it to the end of the layers
-        out.append(State("embed.out", "unsaved_activations", b * s * h * e, "forward.embed", "forward.head:norm"))
+        out.append(State("embed.out", "unsaved_activations", b * s * h * act, "forward.embed", "forward.head:norm"))
     rows = layer_saved(shape, b, s, setup.recipe, setup.kernel, device=setup.device, padded=setup.padded)
-    bias_copies = 2 * (shape.num_heads + 2 * shape.num_kv_heads) * d * e if r.autocast and shape.qkv_bias else 0
+    bias_copies = 2 * (shape.num_heads + 2 * shape.num_kv_heads) * d * act if dtypes.autocast and shape.qkv_bias else 0
     for i in range(n):
         here, prev = f"forward.layer.{i}", "forward.embed" if i == 0 else f"forward.layer.{i - 1}"
         if bias_copies:  # autocast caches the 16-bit bias copies until the autocast region ends (after the loss)
             out.append(State(f"layer.{i}.bias_16bit_cached", "unsaved_activations", bias_copies, here, "loss"))
         if setup.checkpointing == "full":  # only the layer input is kept; the rest is rebuilt in the backward
-            out.append(State(f"layer.{i}.checkpoint_input", "saved", b * s * h * _residual_bytes(r), prev,
+            out.append(State(f"layer.{i}.checkpoint_input", "saved", b * s * h * _residual_bytes(dtypes), prev,
                              f"backward.layer.{i}:input_layernorm"))
             out += [State(f"layer.{i}.{t.name}", "saved", t.nbytes, f"backward.layer.{i}:recompute",
                           f"backward.layer.{i}:{t.consumed_at}") for t in rows if t.own]
-            out.append(State(f"layer.{i}.no_grad_forward", "unsaved_activations", 2 * b * s * (h + shape.intermediate_size) * e, here, here))
+            out.append(State(f"layer.{i}.no_grad_forward", "unsaved_activations", 2 * b * s * (h + shape.intermediate_size) * act, here, here))
             continue
         out += [State(f"layer.{i}.{t.name}", "saved", t.nbytes, here if t.own else prev,
                       f"backward.layer.{i}:{t.consumed_at}") for t in rows]
-        out.append(State(f"layer.{i}.mlp_out", "unsaved_activations", b * s * h * e, here, here))  # down_proj's output, before the residual add
+        out.append(State(f"layer.{i}.mlp_out", "unsaved_activations", b * s * h * act, here, here))  # down_proj's output, before the residual add
         if pure_16bit:  # the 16-bit residual stream lives only in the forward: x + attn, and the layer output,
             # which the model's loop variable holds while the next layer runs
-            out += [State(f"layer.{i}.residual_attn", "unsaved_activations", b * s * h * e, here, here),
-                    State(f"layer.{i}.out", "unsaved_activations", b * s * h * e, here,
+            out += [State(f"layer.{i}.residual_attn", "unsaved_activations", b * s * h * act, here, here),
+                    State(f"layer.{i}.out", "unsaved_activations", b * s * h * act, here,
                           f"forward.layer.{i + 1}" if i + 1 < n else "forward.head:norm")]
     out += _head_states(setup)
     return out + _loss_states(setup)
@@ -114,25 +114,25 @@ def forward_states(setup: Setup) -> list[State]:
 
 def _head_states(setup: Setup) -> list[State]:
     """The final norm and lm_head: their saved tensors and the logits."""
-    shape, b, s, r = setup.shape, setup.batch, setup.seq, setup.r
-    h, v, e = shape.hidden_size, shape.vocab_size, r.activation_bytes
+    shape, b, s, dtypes = setup.shape, setup.batch, setup.seq, setup.dtypes
+    h, v, act = shape.hidden_size, shape.vocab_size, dtypes.activation_bytes
     last = f"forward.layer.{shape.num_layers - 1}"
-    norm_rows = norm_saved("norm", b, s, h, FP32_BYTES if r.autocast else e, "head", own_input=r.sixteen_bit and not r.autocast,
-                           keeps_output=not r.autocast)
-    if r.autocast:  # lm_head keeps 16-bit copies of its input and of the (tied) weight
-        norm_rows += [SavedTensor("lm_head.input_16bit", (b, s, h), e, "head"), SavedTensor("lm_head.weight_16bit", (v, h), e, "head")]
+    norm_rows = norm_saved("norm", b, s, h, FP32_BYTES if dtypes.autocast else act, "head", own_input=dtypes.sixteen_bit and not dtypes.autocast,
+                           keeps_output=not dtypes.autocast)
+    if dtypes.autocast:  # lm_head keeps 16-bit copies of its input and of the (tied) weight
+        norm_rows += [SavedTensor("lm_head.input_16bit", (b, s, h), act, "head"), SavedTensor("lm_head.weight_16bit", (v, h), act, "head")]
     out = [State(f"model.norm.{t.name.split('.', 1)[1]}" if t.name.startswith("norm.") else t.name, "saved", t.nbytes,
                  ("forward.head:lm_head" if t.name.startswith("lm_head") else "forward.head:norm") if t.own else last,
                  "backward.head:lm_head" if t.name.startswith("lm_head") else "backward.head:norm")
            for t in norm_rows]
-    return out + [State("logits", "unsaved_activations", b * s * v * e, "forward.head:lm_head", "loss")]
+    return out + [State("logits", "unsaved_activations", b * s * v * act, "forward.head:lm_head", "loss")]
 
 
 def _loss_states(setup: Setup) -> list[State]:
     """transformers' ForCausalLMLoss: logits.float(), shifted labels, log-softmax and NLL."""
-    b, s, v, r = setup.batch, setup.seq, setup.shape.vocab_size, setup.r
+    b, s, v, dtypes = setup.batch, setup.seq, setup.shape.vocab_size, setup.dtypes
     out = []
-    if r.sixteen_bit:  # logits.float() copies 16-bit logits
+    if dtypes.sixteen_bit:  # logits.float() copies 16-bit logits
         out.append(State("logits_fp32", "unsaved_activations", b * s * v * FP32_BYTES, "loss", "loss"))
     # pad(labels, (0, 1))[..., 1:].contiguous(): the shifted targets are a copy, except for one row, where
     # the slice is already contiguous and the padded labels themselves are kept
@@ -162,53 +162,54 @@ def _gradient(setup: Setup, name: str, nbytes: int, created: str) -> list[State]
 
 def backward_states(setup: Setup) -> list[State]:
     """Upstream gradients and gradients (.grad), moment by moment."""
-    shape, b, s, r = setup.shape, setup.batch, setup.seq, setup.r
-    h, v, inner, e, g = shape.hidden_size, shape.vocab_size, shape.intermediate_size, r.activation_bytes, r.grad_bytes
+    shape, b, s, dtypes = setup.shape, setup.batch, setup.seq, setup.dtypes
+    h, v, inner, act, grad_bytes = shape.hidden_size, shape.vocab_size, shape.intermediate_size, dtypes.activation_bytes, dtypes.grad_bytes
     q, kv, n = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.num_layers
-    stream = _residual_bytes(r)  # the residual stream's gradient has the stream's dtype
+    stream = _residual_bytes(dtypes)  # the residual stream's gradient has the stream's dtype
     tied = shape.tie_word_embeddings
     # SDPA's backward: flash holds the output's grad and dq, dk, dv; math, at its softmax backward,
     # holds two s×s grads (of the probabilities and of the scores) and the grad of the repeated v
-    d_sdpa = b * s * (2 * q + 2 * kv) * e
+    d_sdpa = b * s * (2 * q + 2 * kv) * act
     if setup.kernel == "math":
-        d_sdpa = (2 * b * shape.num_heads * s * s + b * s * q) * e
+        d_sdpa = (2 * b * shape.num_heads * s * s + b * s * q) * act
     out = [State("loss.grad_seed", "upstream_grads", FP32_BYTES, "backward.loss:nll", "backward.loss:nll", "backward.embed:accumulate"),
            State("loss.nll_grad", "upstream_grads", b * s * v * FP32_BYTES, "backward.loss:nll", "backward.loss:log_softmax"),
            State("dlogits_fp32", "upstream_grads", b * s * v * FP32_BYTES, "backward.loss:log_softmax",
-                 "backward.loss:log_softmax" if r.sixteen_bit else "backward.head:lm_head")]
-    if r.sixteen_bit:
-        out.append(State("dlogits", "upstream_grads", b * s * v * e, "backward.head:lm_head", "backward.head:lm_head"))
-    if r.autocast:  # the head's weight gradient is computed in 16 bits, then cast to fp32
-        out.append(State("lm_head.weight.grad_16bit", "upstream_grads", v * h * e, "backward.head:lm_head", "backward.head:lm_head"))
+                 "backward.loss:log_softmax" if dtypes.sixteen_bit else "backward.head:lm_head")]
+    if dtypes.sixteen_bit:
+        out.append(State("dlogits", "upstream_grads", b * s * v * act, "backward.head:lm_head", "backward.head:lm_head"))
+    if dtypes.autocast:  # the head's weight gradient is computed in 16 bits, then cast to fp32
+        out.append(State("lm_head.weight.grad_16bit", "upstream_grads", v * h * act, "backward.head:lm_head", "backward.head:lm_head"))
     if tied:  # a tied head's gradient is an upstream gradient of the embedding's AccumulateGrad: it waits in the
         # autograd engine until the lookup's contribution arrives (梯度汇合)
-        out.append(State("lm_head.weight.grad_pending", "upstream_grads", v * h * g, "backward.head:lm_head", "backward.embed:accumulate"))
+        out.append(State("lm_head.weight.grad_pending", "upstream_grads", v * h * grad_bytes, "backward.head:lm_head", "backward.embed:accumulate"))
     else:
-        out += _gradient(setup, "lm_head.weight", v * h * g, "backward.head:lm_head")
-    out += _gradient(setup, "model.norm.weight", h * g, "backward.head:norm")
+        out += _gradient(setup, "lm_head.weight", v * h * grad_bytes, "backward.head:lm_head")
+    out += _gradient(setup, "model.norm.weight", h * grad_bytes, "backward.head:norm")
     upstream = "backward.head:lm_head"  # lm_head's input gradient, passed on through the final norm
     numel = dict(shape.parameter_tensors())
     for i in reversed(range(n)):
         t, p = f"backward.layer.{i}:", f"model.layers.{i}."
         out.append(State(f"layer.{i}.upstream_grad", "upstream_grads", b * s * h * stream, upstream, t + "mlp"))
         for moment, modules in GRADS_AT.items():
-            for m in modules:
-                size = sum(numel.get(p + m + suffix, 0) for suffix in (".weight", ".bias"))
-                out += _gradient(setup, f"layer.{i}.{m}", size * g, t + moment)
-                if r.autocast and "proj" in m:  # the 16-bit weight gradient before its cast to fp32
-                    out.append(State(f"layer.{i}.{m}.grad_16bit", "upstream_grads", numel[p + m + ".weight"] * e, t + moment, t + moment))
-        out += [State(f"layer.{i}.d_act_up", "upstream_grads", b * s * inner * e, t + "down_proj", t + "mlp"),
-                State(f"layer.{i}.d_act_d_up", "upstream_grads", 2 * b * s * inner * e, t + "mlp", t + "mlp"),
+            for module in modules:
+                size = sum(numel.get(p + module + suffix, 0) for suffix in (".weight", ".bias"))
+                out += _gradient(setup, f"layer.{i}.{module}", size * grad_bytes, t + moment)
+                if dtypes.autocast and "proj" in module:  # the 16-bit weight gradient before its cast to fp32
+                    out.append(State(f"layer.{i}.{module}.grad_16bit", "upstream_grads", numel[p + module + ".weight"] * act,
+                                     t + moment, t + moment))
+        out += [State(f"layer.{i}.d_act_up", "upstream_grads", b * s * inner * act, t + "down_proj", t + "mlp"),
+                State(f"layer.{i}.d_act_d_up", "upstream_grads", 2 * b * s * inner * act, t + "mlp", t + "mlp"),
                 State(f"layer.{i}.d_residual", "upstream_grads", b * s * h * stream, t + "attention", t + "input_layernorm"),
                 State(f"layer.{i}.d_sdpa", "upstream_grads", d_sdpa, t + "attention", t + "attention"),
                 State(f"layer.{i}.d_normed", "upstream_grads", b * s * h * stream, t + "input_layernorm", t + "input_layernorm")]
         upstream = t + "input_layernorm"
     out.append(State("embed.upstream_grad", "upstream_grads", b * s * h * stream, upstream, "backward.embed:lookup"))
     if tied:  # the lookup's gradient meets the head's in the engine's buffer; their sum becomes .grad
-        out.append(State("embed.lookup_grad", "upstream_grads", v * h * g, "backward.embed:lookup", "backward.embed:accumulate"))
-        out += _gradient(setup, "model.embed_tokens", v * h * g, "backward.embed:accumulate")  # with .grad there: the sum, added in place
+        out.append(State("embed.lookup_grad", "upstream_grads", v * h * grad_bytes, "backward.embed:lookup", "backward.embed:accumulate"))
+        out += _gradient(setup, "model.embed_tokens", v * h * grad_bytes, "backward.embed:accumulate")  # with .grad there: the sum, added in place
     else:
-        out += _gradient(setup, "model.embed_tokens", v * h * g, "backward.embed:lookup")
+        out += _gradient(setup, "model.embed_tokens", v * h * grad_bytes, "backward.embed:lookup")
     return out
 
 
@@ -218,21 +219,21 @@ def _step_temporary(setup: Setup, numels: list[int]) -> int:
     foreach makes one per tensor, all at once; the per-tensor loop makes two per tensor while the
     previous tensor's denom is still referenced; fused kernels make none.
     """
-    impl, m = setup.optimizer_impl, setup.r.moment_bytes
+    impl, moment_bytes = setup.optimizer_impl, setup.dtypes.moment_bytes
     if setup.optimizer != "adamw" or impl == "fused" or not numels:
         return 0
     if impl == "foreach":
-        return sum(numels) * m
-    return max(prev + 2 * cur for prev, cur in zip([0, *numels], numels)) * m
+        return sum(numels) * moment_bytes
+    return max(prev + 2 * cur for prev, cur in zip([0, *numels], numels)) * moment_bytes
 
 
 def _state_bytes_per_tensor(setup: Setup) -> tuple[int, int]:
     """(bytes per parameter element, bytes per tensor) of the optimizer states."""
-    r, per_element = setup.r, setup.r.master_bytes
+    dtypes, per_element = setup.dtypes, setup.dtypes.master_bytes
     if setup.optimizer == "adamw":
-        per_element += 2 * r.moment_bytes
+        per_element += 2 * dtypes.moment_bytes
     elif setup.optimizer == "sgd-momentum":
-        per_element += r.moment_bytes
+        per_element += dtypes.moment_bytes
     # AdamW's state["step"]: one fp32 scalar per tensor, on the host unless fused (so 0 device bytes on CUDA)
     counters = 4 if setup.optimizer == "adamw" and (setup.device == "cpu" or setup.optimizer_impl == "fused") else 0
     return per_element, counters
@@ -261,15 +262,15 @@ def update_states(setup: Setup) -> list[State]:
 def _in_backward_states(setup: Setup) -> list[State]:
     """Optimizer-in-backward: each parameter's update runs in its post-accumulate-grad hook and frees its
     gradient at once, so at any moment one gradient and one update's temporaries are alive, not all."""
-    shape, g = setup.shape, setup.r.grad_bytes
+    shape, grad_bytes = setup.shape, setup.dtypes.grad_bytes
     per_element, counters = _state_bytes_per_tensor(setup)
     moment_of = {"lm_head.weight": "backward.head:lm_head", "model.norm.weight": "backward.head:norm",
                  "model.embed_tokens.weight": "backward.embed:update"}  # after the tied contributions are summed
     for i in range(shape.num_layers):
         for moment, modules in GRADS_AT.items():
-            for m in modules:
+            for module in modules:
                 for suffix in (".weight", ".bias"):
-                    moment_of[f"model.layers.{i}.{m}{suffix}"] = f"backward.layer.{i}:{moment}"
+                    moment_of[f"model.layers.{i}.{module}{suffix}"] = f"backward.layer.{i}:{moment}"
     by_moment: dict[str, list[int]] = {}
     for name, numel in shape.parameter_tensors():
         by_moment.setdefault(moment_of[name], []).append(numel)
@@ -279,7 +280,7 @@ def _in_backward_states(setup: Setup) -> list[State]:
         if per_element:
             out.append(State(f"optimizer.states@{moment}", "optimizer_states", sum(numels) * per_element + counters * len(numels), born, AFTER))
         # the hooks run one parameter at a time: the largest gradient + its update's temporaries at once
-        grad, temp = max((numel * g, _step_temporary(setup, [numel])) for numel in numels)
+        grad, temp = max((numel * grad_bytes, _step_temporary(setup, [numel])) for numel in numels)
         out.append(State(f"grad_in_hook@{moment}", "gradients", grad, moment, moment))
         if temp:
             out.append(State(f"optimizer.sqrt_temporaries@{moment}", "workspace", temp, moment, moment))
