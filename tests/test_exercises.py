@@ -285,6 +285,28 @@ def update_gate_counts_only(ref, cand, expected_lrs):
         return False, "counts differ"
     return True, "same number of effective updates"
 
+def peak_no_vocab_grads(cfg, batch, seq):
+    phase, composition = S.predict_peak(cfg, batch, seq)
+    if phase == "backward.loss":
+        composition = {**composition, "upstream_grads": composition["upstream_grads"] - 2 * 4 * batch * seq * cfg.vocab_size}
+    return phase, composition
+
+
+def peak_always_at_the_loss(cfg, batch, seq):
+    return "backward.loss", S.predict_peak(cfg, batch, seq)[1]
+
+
+def fsdp_even_split(model, world_size, rank):
+    psi = sum(p.numel() for p in model.parameters())
+    return {"parameters": 4 * psi // world_size, "gradients": 4 * psi // world_size, "optimizer_states": 8 * psi // world_size}
+
+
+def fsdp_no_padding(model, world_size, rank):
+    out = S.fsdp_held_bytes(model, world_size, rank)
+    own = out["optimizer_states"] - 4 * len(list(model.parameters()))
+    return {**out, "parameters": own // 2, "gradients": own // 2}
+
+
 WRONG = {
     "task0.sgd_momentum_update": [(sgd_no_decay, "漏了权重衰减"), (sgd_decay_outside_momentum, "没有先加进梯度、进入动量"),
                                   (sgd_in_place, "原地修改了传入的 `theta`、`grad`")],
@@ -299,6 +321,8 @@ WRONG = {
     "task3.scheduled_lrs": [(lrs_every_attempt, "被跳过的更新也推进了它"), (lrs_logged_attempts, "有效更新次数")],
     "task4.layer_saved_bytes": [(layer_no_logsumexp, "sdpa_logsumexp"), (layer_with_probs, "s×s")],
     "task4.gradient_lifecycle": [(grads_released_at_optimizer, "zero_grad"), (grads_tied_head_in_head_phase, "backward.embed")],
+    "task4.predict_peak": [(peak_always_at_the_loss, "实测在 optimizer"), (peak_no_vocab_grads, "词表大小的 fp32 上游梯度")],
+    "task4.fsdp_held_bytes": [(fsdp_even_split, "第 0 维切"), (fsdp_no_padding, "填充到")],
     "task5.offload_hooks": [(offload_no_copy, "没有被搬走"), (offload_to_cpu_alias, "t.to('cpu')"), (offload_params_too, "参数也被复制"),
                             (offload_closure, "闭包"), (offload_half, "取回的张量与打包时不同")],
     "task5.checkpoint": [(checkpoint_plain, "只应留下输入"), (checkpoint_no_enable_grad, "enable_grad"), (checkpoint_only_x, "没有得到梯度")],

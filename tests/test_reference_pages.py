@@ -174,9 +174,14 @@ def _defined(module: Path, names: list[str]) -> bool:
     """Whether module (a .py file) defines names[0] at top level (or imports it, as a package's __init__
     re-exports), and names[1:] inside it (class members)."""
     body = ast.parse(module.read_text(encoding="utf-8")).body
-    for name in names:
+    for k, name in enumerate(names):
         found = None
         for node in body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainmech.") and \
+                    any((a.asname or a.name) == name for a in node.names):  # a package re-exports it: look where it lives
+                source = ROOT.joinpath(*node.module.split("."))
+                source = source / "__init__.py" if source.is_dir() else source.with_suffix(".py")
+                return source.is_file() and _defined(source, names[k:])
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
                 found = node
             elif isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):

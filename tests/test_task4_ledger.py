@@ -89,10 +89,11 @@ def test_lifecycle_semantics():
     book = ledger.training_state_lifecycle("qwen2-tiny", 2, 16)
     by_name = {s.name: s for s in book.states}
     g = by_name["layer.0.mlp.down_proj.grad"]
-    assert (g.category, g.last_consumed, g.release) == ("gradients", "optimizer", "zero_grad")
-    assert by_name["lm_head.weight.grad"].category == "workspace"  # tied: waits in the engine for the embedding
+    assert (g.category, g.last_consumed, g.released_at) == ("gradients", "optimizer", "zero_grad")
+    # tied: the head's contribution is an upstream gradient of the embedding's AccumulateGrad, waiting in the engine
+    assert by_name["lm_head.weight.grad_pending"].category == "upstream_grads"
     assert by_name["layer.0.mlp.gate"].created == "forward.layer.0"
-    assert by_name["layer.0.mlp.gate"].release == "backward.layer.0:mlp"
+    assert by_name["layer.0.mlp.gate"].released_at == "backward.layer.0:mlp"
     assert by_name["layer.1.input_layernorm.x_fp32"].created == "forward.layer.0"  # the residual, kept by reference
     peak = book.peak_overlap()
     assert sum(peak.by_category.values()) == peak.bytes and set(peak.by_category) == set(ledger.CATEGORIES)
@@ -155,15 +156,8 @@ def test_full_checkpointing_prediction_within_5_percent_of_measured():
 
 def test_every_state_crossing_a_phase_has_the_measured_lifecycle():
     first, _ = ledger.measure_point("qwen2-tiny", 2, 32)
-    predicted = {}
-    for st in first.predicted.states:
-        if st.created == ledger.BEFORE:
-            continue
-        key = (st.category, ledger.phase_of(st.created), None if st.release == ledger.AFTER else ledger.phase_of(st.release))
-        if key[1] != key[2]:
-            predicted[key] = predicted.get(key, 0) + st.nbytes
     measured = {k: v for k, v in first.measured.lifecycles().items() if k[1] != k[2]}
-    assert predicted == measured
+    assert first.predicted.crossing_lifecycles() == measured
 
 
 def test_the_tracker_agrees_with_the_allocator():
@@ -309,3 +303,245 @@ def test_python_dash_m_trainmech_ledger(tmp_path):
     assert "Qwen/Qwen2.5-0.5B" in ok.stdout and "494,032,768" in ok.stdout
     bad = subprocess.run(run + ["--config", "qwen2-tiny", "--batch", "x", "--seq", "8"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------- configs as transformers completes them
+
+QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "tie_word_embeddings": True, "hidden_act": "silu"}
+
+
+def test_missing_fields_take_transformers_defaults():
+    untied = {k: v for k, v in QWEN.items() if k != "tie_word_embeddings"}
+    assert ledger.model_shape(untied).tie_word_embeddings is False  # Qwen2Config's default
+    assert ledger.model_shape(untied).n_params == ledger.model_shape(QWEN).n_params + 151936 * 896
+    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32000, "hidden_size": 512,
+               "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 16}
+    assert ledger.model_shape(mistral).num_kv_heads == 8  # MistralConfig's default, not the query heads
+    llama = {**mistral, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    assert ledger.model_shape(llama).num_kv_heads == 16  # LlamaConfig: None -> the query heads
+    with pytest.raises(TrainmechError, match="qwen2 default"):  # Qwen2Config defaults to 32 KV heads
+        ledger.model_shape({k: v for k, v in QWEN.items() if k != "num_key_value_heads"})
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"num_key_value_heads": "2"}, "num_key_value_heads must be a positive integer or absent, got '2'"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer or absent, got 0"),
+        ({"num_key_value_heads": 4}, "num_attention_heads 14 is not a multiple of num_key_value_heads 4"),
+        ({"head_dim": "64"}, "head_dim must be a positive integer or absent, got '64'"),
+        ({"head_dim": -64}, "head_dim must be a positive integer or absent, got -64"),
+        ({"head_dim": 63.5}, "head_dim must be a positive integer or absent, got 63.5"),
+        ({"hidden_size": 900}, "hidden_size 900 is not a multiple of num_attention_heads 14"),
+        ({"hidden_size": 896.0}, "lacks a positive integer for hidden_size"),
+        ({"num_hidden_layers": 1e9}, "lacks a positive integer for num_hidden_layers"),
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers 1,000,000,000 is more than the 10,000"),
+        ({"num_hidden_layers": True}, "lacks a positive integer for num_hidden_layers"),
+        ({"vocab_size": -1}, "lacks a positive integer for vocab_size"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+        ({"architectures": "Qwen2ForCausalLM"}, "architectures must be a list of names"),
+    ],
+)
+def test_nonsense_configs_are_refused_in_one_line(tmp_path, capsys, change, words):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**QWEN, **change}))
+    rc, out, err = _run(["--config", str(path), "--batch", "1", "--seq", "8"], capsys)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("trainmech: error: ") and words in err, err
+
+
+def test_a_config_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, capsys):
+    link = tmp_path / "config.json"
+    link.symlink_to("/dev/zero")
+    for config in (link, "/dev/zero", tmp_path):
+        rc, out, err = _run(["--config", str(config), "--batch", "1", "--seq", "8"], capsys)
+        assert rc == 2 and out == "" and err.count("\n") == 1 and "is not a regular file" in err, err
+    link.unlink()
+    link.write_bytes(b"\xff{}")
+    rc, _, err = _run(["--config", str(link), "--batch", "1", "--seq", "8"], capsys)
+    assert rc == 2 and "is not UTF-8 text" in err
+
+
+def test_time_grows_linearly_with_the_layers():
+    import time
+
+    def seconds(layers: int) -> float:  # the calculator's work for a loaded config: the best of three
+        shape = ledger.model_shape({**QWEN, "num_hidden_layers": layers})
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            book = ledger.training_state_lifecycle(shape, 2, 512)
+            book.peak_overlap(), book.state_bytes(), book.lifecycle_rows()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    small, large = seconds(100), seconds(400)
+    assert large / small < 8, (small, large)  # 4x the layers: linear is 4x, quadratic 16x
+
+
+# ----------------------------------------------------------------------------- the kernel follows the device and the mask
+
+
+def test_the_kernel_is_chosen_for_the_device_dtype_and_mask():
+    big = ledger.model_shape("qwen2.5-0.5b")
+    choose = lambda dtype, device, padded=False: ledger.attention_kernel(big, dtype, device, padded=padded)  # noqa: E731
+    assert [choose("fp32", "cpu"), choose("bf16", "cpu"), choose("fp32", "cpu", True)] == ["flash"] * 3
+    assert choose("fp32", "cuda") == "math"  # enable_gqa, which the efficient kernel refuses
+    assert choose("bf16", "cuda") == choose("autocast-bf16", "cuda") == "flash"
+    assert choose("fp32", "cuda", True) == choose("bf16", "cuda", True) == "efficient"  # a mask: repeat_kv, no flash
+    no_gqa = ledger.model_shape({**QWEN, "num_key_value_heads": 14})
+    assert ledger.attention_kernel(no_gqa, "fp32", "cuda") == "efficient"
+    # the inventory a caller gets for CUDA fp32 is the math one: the s×s probabilities
+    rows = {t.name: t for t in ledger.layer_saved(big, 2, 512, "fp32", device="cuda")}
+    assert rows["self_attn.probs"].nbytes == 4 * 2 * 14 * 512 * 512
+    padded = {t.name: t for t in ledger.layer_saved(big, 2, 500, "fp32", device="cuda", padded=True)}
+    assert padded["self_attn.k_repeated"].shape == (2, 14, 500, 64) and padded["self_attn.mask_bias"].shape == (2, 1, 500, 512)
+    assert padded["self_attn.sdpa_logsumexp"].shape == (2, 14, 512)  # the efficient kernel pads rows to 32
+
+
+@pytest.mark.parametrize("attention", ["flash", "math"])
+def test_a_padded_batch_is_predicted_byte_for_byte(attention):
+    for c in ledger.measure_point("qwen2-tiny", 2, 32, padded=True, attention=attention):
+        assert c.predicted_peak == c.measured_peak and c.predicted.peak_overlap().phase == c.measured.peak_phase
+        assert c.predicted.crossing_lifecycles() == {k: v for k, v in c.measured.lifecycles().items() if k[1] != k[2]}
+
+
+# ----------------------------------------------------------------------------- the update's variants, measured on CPU
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_foreach_and_fused_adamw_forced_on_cpu(impl):
+    # foreach is CUDA's default: its sqrt temporary is as large as all parameters; fused makes none
+    for c in ledger.measure_point("qwen2-tiny", 1, 32, optimizer_impl=impl):
+        assert c.predicted_peak == c.measured_peak, (impl, c.step)
+        assert c.predicted.by_phase()["optimizer"] == c.measured.by_phase().get("optimizer", c.predicted.by_phase()["optimizer"])
+    book = ledger.training_state_lifecycle("qwen2-tiny", 1, 32, optimizer_impl="foreach")
+    temp = next(st for st in book.states if st.name == "optimizer.sqrt_temporaries")
+    assert temp.nbytes == 4 * book.shape.n_params
+
+
+def test_optimizer_in_backward_frees_each_gradient_at_once():
+    for c in ledger.measure_point("qwen2-tiny", 1, 32, optimizer_in_backward=True):
+        assert abs(c.error) <= 0.02 and c.measured.by_category(len(c.measured.live) - 1)["gradients"] == 0
+    steady = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda", checkpointing="full")
+    hooked = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda", checkpointing="full", optimizer_in_backward=True)
+    assert steady.peak_overlap().phase == "optimizer" and hooked.peak_overlap().bytes < 0.9 * steady.peak_overlap().bytes
+
+
+def test_accumulation_and_zeroed_gradients_are_predicted_byte_for_byte():
+    for kwargs in ({"micro_batches": 2}, {"set_to_none": False}):
+        for c in ledger.measure_point("qwen2-tiny", 1, 32, **kwargs):
+            assert c.predicted_peak == c.measured_peak, (kwargs, c.step, c.micro_batch)
+            assert c.predicted.by_phase() == {p: c.measured.by_phase().get(p, v) for p, v in c.predicted.by_phase().items()}
+    base = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda")
+    kept = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda", set_to_none=False)
+    at = lambda book: dict(book.live())["backward.loss:log_softmax"]  # noqa: E731
+    assert at(kept)["gradients"] - at(base)["gradients"] == 4 * base.shape.n_params  # +4Ψ at backward.loss
+
+
+@pytest.mark.parametrize("dtype", ["autocast-bf16", "autocast-fp16"])
+def test_autocast_keeps_fp32_states_and_16_bit_copies(dtype):
+    first, steady = ledger.measure_point("qwen2-small", 2, 64, dtype=dtype)
+    for c in (first, steady):
+        assert c.predicted_peak == c.measured_peak and c.predicted.peak_overlap().phase == c.measured.peak_phase
+    m, shape = first.measured, first.predicted.shape
+    at_end = lambda phase: m.by_category(max(k for k, p in enumerate(m.phases) if p == phase))["saved"]  # noqa: E731
+    added = at_end("forward.layer.1") - at_end("forward.layer.0")
+    rows = ledger.layer_saved(shape, 2, 64, dtype)
+    assert added == sum(t.nbytes for t in rows)  # its own rows and the next layer's input, the fp32 residual
+    copies = sum(t.nbytes for t in rows if t.name.endswith("weight_16bit"))
+    assert copies == 2 * sum(n for name, n in shape.parameter_tensors() if name.startswith("model.layers.0.") and "proj.weight" in name)
+    assert steady.predicted.state_bytes()["optimizer_states"] == 8 * shape.n_params + 4 * len(shape.parameter_tensors())
+
+
+# ----------------------------------------------------------------------------- scenarios, ZeRO, the allocator, the peers
+
+
+def test_the_scenario_matrix_reconciles_the_registry_workloads():
+    rows = ledger.scenario_matrix("qwen2.5-0.5b", 2, 512, device="cuda")
+    change = ledger.scenarios.change
+    assert change(rows, "checkpoint", "first", "forward_backward") == pytest.approx(-0.314, abs=0.002)
+    assert change(rows, "checkpoint", "steady") == pytest.approx(-0.126, abs=0.002)  # the peak moves into foreach AdamW
+    assert change(rows, "offload", "first") == 0.0  # one update: its peak is the first optimizer step
+    steady = {r.strategy: r.whole for r in rows if r.update == "steady"}
+    assert steady["checkpoint"].phase == steady["offload"].phase == "optimizer"
+
+
+def test_checkpointing_measured_peaks_and_recompute_counts_as_saved():
+    first, steady = ledger.measure_point("qwen2-tiny", 2, 64, checkpointing="full")
+    for c in (first, steady):
+        assert abs(c.error) <= 0.01 and c.predicted.peak_overlap().phase == c.measured.peak_phase
+        assert abs(c.measured_forward_backward_peak - c.predicted.forward_backward_peak().bytes) <= 0.01 * c.measured_peak
+    recomputed = [a for a in first.measured.allocations if a.born_phase.startswith("backward.layer") and a.recomputed]
+    assert recomputed and {first.measured.category(a) for a in recomputed} == {"saved"}
+
+
+def test_zero_projection_partitions_the_update_and_names_the_loss_buffers():
+    book = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, dtype="mixed-bf16", device="cuda")
+    n = book.shape.n_params
+    assert sum(book.state_bytes()[c] for c in ledger.MODEL_STATES) == ledger.zero_bytes_per_device(n, 1, 0)
+    one = ledger.zero.per_device(book, 1, 3)
+    assert one.bytes == book.peak_overlap().bytes and one.tick == book.peak_overlap().tick
+    s1, s2, s3 = (ledger.zero.per_device(book, 64, k) for k in (1, 2, 3))
+    assert s1.bytes == s2.bytes and s1.by_category["gradients"] == 0  # at backward.loss no gradient exists yet
+    assert s3.loss_buffer_share == pytest.approx(0.55, abs=0.01)
+    at_update = dict(book.live())["optimizer"]
+    assert at_update["workspace"] > 0  # the foreach temporary, partitioned from stage 1 on
+    with pytest.raises(TrainmechError, match="stage"):
+        ledger.zero.per_device(book, 8, 4)
+
+
+def test_the_allocator_model_rounds_caches_and_splits():
+    from trainmech.ledger import allocator as A
+
+    assert [A.round_size(n) for n in (1, 512, 513, 3 * 2**20 + 1)] == [512, 512, 1024, 3 * 2**20 + 512]
+    assert [A.segment_size(n) for n in (512, 2**20, 2**20 + 512, 12 << 20)] == [2 << 20, 2 << 20, 20 << 20, 12 << 20]
+    m = A.CachingAllocatorModel()
+    m.malloc("a", 4 << 20)  # a 20 MiB segment, split
+    m.malloc("b", 4 << 20)  # the same segment
+    assert (m.allocated, m.reserved) == (8 << 20, 20 << 20)
+    m.free("a")
+    m.malloc("c", 3 << 20)  # reuses a's block; its 1 MiB rest is not worth a split, so allocated counts 4 MiB
+    assert m.reserved == 20 << 20 and m.allocated == 8 << 20
+    m.free("c")
+    m.malloc("e", 5 << 19)  # 2.5 MiB: a 1.5 MiB rest is split off
+    assert m.allocated == (4 << 20) + (5 << 19)
+    m.malloc("d", 100)  # the small pool: a 2 MiB segment of its own
+    assert m.reserved == 22 << 20 and m.allocated == (4 << 20) + (5 << 19) + 512
+    first = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda", first_step=True)
+    steady = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda")
+    peaks = A.cuda_peaks(first, steady)
+    assert peaks.tensor_peak <= peaks.allocated_peak <= 1.05 * peaks.tensor_peak <= peaks.reserved_peak
+
+
+def test_the_peers_estimate_model_states_only(monkeypatch):
+    from trainmech.ledger import peers
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = workload.qwen2_config(profiles.for_mode("cpu").model("qwen2-tiny"))
+    shape = ledger.model_shape(cfg)
+    untied = shape.n_params + shape.vocab_size * shape.hidden_size  # a meta-device model is not tied yet
+    assert 0 <= peers.accelerate_estimate(cfg) - 16 * untied <= 1024  # 4 × (weights + the rotary buffers), fp32 Adam
+    ds = peers.deepspeed_estimates(shape)
+    assert ds["deepspeed-zero2"] == 20 * shape.n_params
+    assert ds["deepspeed-zero3"] == 4 * shape.vocab_size * shape.hidden_size + 18 * shape.n_params
+    rows = peers.benchmark({"qwen2-tiny": [(1, 32)]}, out=lambda line: None)
+    assert [r.error("ledger") for r in rows] == [0.0, 0.0]
+    assert all(r.error("accelerate") != 0 for r in rows)
+
+
+def test_the_calculator_prints_the_scenario_matrix_and_the_gpu_lines(capsys):
+    rc, out, err = _run(["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--device", "cuda", "--scenario"], capsys)
+    assert rc == 0 and err == "" and "checkpoint" in out and "-31.4%" in out and "-12.6%" in out
+    rc, out, _ = _run(["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--device", "cuda"], capsys)
+    assert rc == 0 and "reserved peak" in out and "cuBLAS" in out and "CUDA context" in out
+    rc, out, _ = _run(["--config", "qwen2-tiny", "--batch", "1", "--seq", "8", "--json", "--micro-batches", "2", "--keep-grads"], capsys)
+    got = json.loads(out)
+    assert rc == 0 and got["micro_batches"] == 2 and got["set_to_none"] is False and set(got["by_category"]) == set(ledger.CATEGORIES)
+
+
+def test_measure_and_the_ledger_share_one_vocabulary():
+    assert measure.MEMORY_CATEGORIES is ledger.CATEGORIES
+    assert "activations" not in ledger.CATEGORIES and {"saved", "unsaved_activations", "upstream_grads"} <= set(ledger.CATEGORIES)

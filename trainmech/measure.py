@@ -19,10 +19,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trainmech.errors import TrainmechError
+from trainmech.ledger.categories import CATEGORIES
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -87,7 +89,7 @@ def cuda_allocated(device: torch.device) -> int | None:
 # scratch that never becomes a tensor is invisible here; the allocator sees it
 # (`allocator_peak_cpu`, from torch.profiler's memory events).
 
-MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "saved", "workspace")
+MEMORY_CATEGORIES = CATEGORIES  # the ledger's seven categories (trainmech.ledger.categories)
 FORWARD_PHASES = ("forward", "loss")  # phase-name prefixes of the forward pass and the loss
 REBUILDS = ("recompute", "fetch")  # backward moments that re-create saved tensors: a checkpoint's replay, an offload's copy back
 _ACTIVE: list[StorageTracker] = []  # the trackers recording now
@@ -124,7 +126,9 @@ class Allocation:
     born_phase: str  # `<phase>:<rebuild>` when born inside `born_as` (a recompute or an offload's fetch)
     died: int | None = None  # index of its release event; None: still alive when tracking stopped
     died_phase: str | None = None
-    tag: str | None = None  # "gradients" / "optimizer_states", set by StorageTracker.tag
+    tag: str | None = None  # "gradients" / "optimizer_states" / "workspace", set by StorageTracker.tag / .tagging
+    recomputed: bool = False  # born while autograd recorded inside a backward node: a checkpoint rebuilding its forward
+    address: int = 0  # the storage's data_ptr (matches the CUDA allocator's history)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -133,15 +137,22 @@ class StorageTracker(TorchDispatchMode):
     Set `tracker.phase` as the work moves on (hooks do it for a model, see `phase_hooks`).
     """
 
-    def __init__(self, phase: str = "start"):
+    def __init__(self, phase: str = "start", *, resize_tag: str | None = None):
         super().__init__()
         self.phase = phase
+        # a storage resized from 0 bytes is born again (FSDP2 frees and re-gathers its unsharded parameters
+        # with UntypedStorage.resize_, which no op dispatches): watched while the tracker is active, and
+        # labelled resize_tag when given
+        self.resize_tag = resize_tag
+        self._resize = None
         self.allocations: list[Allocation] = []
         self.live: list[int] = []  # tracked bytes after each event
         self.phases: list[str] = []  # the phase of each event
         self._bytes = 0
         self._alive: dict[int, int] = {}  # id(storage) -> index into allocations
+        self._births: dict[int, list[int]] = {}  # id(storage) -> every allocation born on it (resized storages: several)
         self._finalizers: dict[int, weakref.finalize] = {}
+        self._tag_births: str | None = None  # set by `tagging`
         self.rebuilds: list[str] = []  # set by born_as: what the backward is re-creating right now
 
     def _label(self) -> str:
@@ -149,15 +160,36 @@ class StorageTracker(TorchDispatchMode):
         return f"{self.phase}:{self.rebuilds[-1]}" if self.rebuilds else self.phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t.__name__ == "DTensor" for t in types):  # by name: importing DTensor costs seconds
+            return NotImplemented  # let a DTensor (FSDP2) turn the op into ops on its local shards, which come back here
         out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not self._fake_on_entry:
+            return out  # DTensor's shape propagation on fake tensors: no memory
         fresh = func is torch.ops.aten.lift_fresh.default  # torch.tensor(...): a new storage passed through
-        inputs = set() if fresh else {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = set() if fresh else {id(t.untyped_storage()) for t in tensors}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
                 if id(s) not in inputs and id(s) not in self._alive and s.nbytes() > 0:
                     self._born(s, func.__name__)
+        if func.namespace in ("c10d", "_c10d_functional"):  # a collective's buffers: communication workspace
+            for t in tensors:
+                index = self._alive.get(id(t.untyped_storage()))
+                if index is not None and self.allocations[index].tag is None:
+                    self.allocations[index].tag = "workspace"
         return out
+
+    def _resized(self, storage, size: int) -> None:
+        index = self._alive.get(id(storage))
+        self._resize(storage, size)
+        if index is not None:  # the old bytes go: a release
+            self._finalizers.pop(index).detach()
+            self._released(id(storage), index)
+        if size > 0:
+            self._born(storage, "resize_")
+            if self.resize_tag:
+                self.allocations[-1].tag = self.resize_tag
 
     def _event(self, delta: int) -> int:
         self._bytes += delta
@@ -167,8 +199,12 @@ class StorageTracker(TorchDispatchMode):
 
     def _born(self, storage, op: str) -> None:
         index = len(self.allocations)
-        self.allocations.append(Allocation(storage.nbytes(), op, self._event(storage.nbytes()), self._label()))
+        self.allocations.append(Allocation(storage.nbytes(), op, self._event(storage.nbytes()), self._label(),
+                                           tag=self._tag_births,
+                                           recomputed=torch.is_grad_enabled() and torch._C._current_autograd_node() is not None,
+                                           address=storage.data_ptr()))
         self._alive[id(storage)] = index
+        self._births.setdefault(id(storage), []).append(index)
         self._finalizers[index] = weakref.finalize(storage, self._released, id(storage), index)
 
     def _released(self, key: int, index: int) -> None:
@@ -184,13 +220,40 @@ class StorageTracker(TorchDispatchMode):
             if index is not None:
                 self.allocations[index].tag = label
 
+    def tag_every_birth(self, tensors, label: str) -> None:
+        """Label every allocation ever born on these tensors' storages, alive or released since (FSDP2's
+        unsharded parameters: one storage, freed and re-allocated with resize_ each step)."""
+        for t in tensors:
+            s = t.untyped_storage()
+            for index in self._births.get(id(s), []):
+                if self.allocations[index].nbytes == t.numel() * t.element_size():
+                    self.allocations[index].tag = label
+
+    @contextmanager
+    def tagging(self, label: str):
+        """Label every storage born inside the block (an update running inside the backward: "workspace")."""
+        before, self._tag_births = self._tag_births, label
+        try:
+            yield
+        finally:
+            self._tag_births = before
+
     def __enter__(self):
         self._gc_was_enabled = gc.isenabled()
         gc.disable()  # no cycle collection mid-step: every release happens at the same event each run
         _ACTIVE.append(self)
+        self._resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage, size):
+            tracker._resized(storage, size)
+
+        torch.UntypedStorage.resize_ = resize_
+        self._fake_on_entry = active_fake_mode()
         return super().__enter__()
 
     def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
         result = super().__exit__(*exc)
         _ACTIVE.remove(self)
         for f in list(self._finalizers.values()):  # what outlives the region stays alive, untracked
@@ -224,12 +287,13 @@ def phase_hooks(model: torch.nn.Module, tracker: StorageTracker) -> list:
         return module.register_forward_hook(forward_hook)
 
     inner = model.model
-    handles = [inner.embed_tokens.register_forward_pre_hook(set_phase("forward.embed")),
+    # prepend: before any wrapper's own pre-hook, so that FSDP2's all-gather of a layer counts in that layer's phase
+    handles = [inner.embed_tokens.register_forward_pre_hook(set_phase("forward.embed"), prepend=True),
                on_output_grad(inner.embed_tokens, "backward.embed")]
     for i, layer in enumerate(inner.layers):
-        handles += [layer.register_forward_pre_hook(set_phase(f"forward.layer.{i}")),
+        handles += [layer.register_forward_pre_hook(set_phase(f"forward.layer.{i}"), prepend=True),
                     on_output_grad(layer, f"backward.layer.{i}")]
-    handles += [inner.norm.register_forward_pre_hook(set_phase("forward.head")),
+    handles += [inner.norm.register_forward_pre_hook(set_phase("forward.head"), prepend=True),
                 model.lm_head.register_forward_hook(set_phase("loss")),
                 on_output_grad(model.lm_head, "backward.head")]
     return handles
@@ -261,16 +325,25 @@ class StepMemory:
 
     @staticmethod
     def category(a: Allocation) -> str:
-        """gradients / optimizer_states by tag; else forward-born: saved if the backward releases it,
-        activations if the forward does; re-created in the backward (`born_as`): saved, or activations
-        if released before that rebuild ended; everything else born in backward or update: workspace."""
+        """The ledger's categories, from what the tracker saw.
+
+        By tag first (gradients, optimizer states, an update's workspace). Born in the forward: saved
+        if the backward releases it, an unsaved activation if the forward does. Re-created in the
+        backward inside `born_as` (a checkpoint's replay, an offload's copy back): saved, or an unsaved
+        activation if released before that rebuild ended. Born in the backward otherwise: a saved
+        tensor if autograd was recording (a checkpoint rebuilding its forward), else an upstream
+        gradient (every tensor the backward computes is some op's input gradient, the loss's seed
+        dL/dL included). Born in the update or zero_grad: workspace.
+        """
         if a.tag:
             return a.tag
         if a.born_phase.startswith(FORWARD_PHASES):
             released_in_forward = a.died_phase is not None and a.died_phase.startswith(FORWARD_PHASES)
-            return "activations" if released_in_forward else "saved"
+            return "unsaved_activations" if released_in_forward else "saved"
         if a.born_phase.endswith(REBUILDS):
-            return "activations" if a.died_phase == a.born_phase else "saved"
+            return "unsaved_activations" if a.died_phase == a.born_phase else "saved"
+        if a.born_phase.startswith("backward"):
+            return "saved" if a.recomputed else "upstream_grads"
         return "workspace"
 
     @property
@@ -294,6 +367,20 @@ class StepMemory:
             if a.born <= k and (a.died is None or a.died > k):
                 out[self.category(a)] += a.nbytes
         return out
+
+    def saved_at_end_of(self, phase: str) -> int:
+        """Saved-tensor bytes alive right after the last event of a phase."""
+        return self.by_category(max(k for k, p in enumerate(self.phases) if p == phase))["saved"]
+
+    def saved_added_per_layer(self, n_layers: int) -> list[int]:
+        """Saved bytes each decoder layer's forward added (its own and the next layer's input)."""
+        ends = ["forward.embed"] + [f"forward.layer.{i}" for i in range(n_layers)]
+        return [self.saved_at_end_of(b) - self.saved_at_end_of(a) for a, b in zip(ends, ends[1:])]
+
+    def forward_backward_peak(self) -> int:
+        """The most bytes alive (baseline included) before the update: forward, loss and backward events."""
+        base = sum(self.baseline.values())
+        return base + max(live for live, phase in zip(self.live, self.phases) if phase.startswith((*FORWARD_PHASES, "backward")))
 
     def by_phase(self) -> dict[str, int]:
         """Most bytes alive (baseline included) during each phase, counting what it started with."""
@@ -324,39 +411,52 @@ def _distinct_bytes(tensors) -> int:
 
 
 def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
-                         allocator: str | None = None) -> StepMemory:
+                         allocator: str | None = None, grads_at_start: bool = False, update: bool = True,
+                         set_to_none: bool = True, autocast: torch.dtype | None = None) -> StepMemory:
     """Track one training step of a transformers causal LM and return its StepMemory.
 
-    The step: loss = model(**batch, use_cache=False).loss; loss.backward(); optimizer.step();
-    optimizer.zero_grad(set_to_none=True). Gradients must be None when it starts (set_to_none).
+    The step: loss = model(**batch, use_cache=False).loss (under torch.autocast(dtype=autocast) when
+    given); loss.backward(); then, with update, optimizer.step(); optimizer.zero_grad(set_to_none).
+    Gradients must be None when it starts, unless grads_at_start: then every gradient must exist (an
+    earlier micro-batch wrote it, or zero_grad(set_to_none=False) kept it) and counts in the baseline.
     Every p.grad is tagged "gradients" after the backward, every optimizer state tensor
-    "optimizer_states" after the update. The allocator's peaks are read as well: on CUDA by
-    default; `allocator="cpu-profiler"` reads the CPU allocator's instead (see `allocator_window`),
-    so the same bookkeeping runs on a CPU.
+    "optimizer_states" after the update. An optimizer with a `watch(tracker)` method (an update that
+    runs inside the backward, `trainmech.optimizers.OptimizerInBackward`) tags its own. The allocator's
+    peaks are read as well: on CUDA by default; `allocator="cpu-profiler"` reads the CPU allocator's
+    instead (see `allocator_window`), so the same bookkeeping runs on a CPU.
     """
     params = list(model.parameters())
-    if any(p.grad is not None for p in params):
+    have = [p.grad is not None for p in params]
+    if grads_at_start and not all(have):
+        raise TrainmechError("grads_at_start needs every p.grad to exist (an earlier micro-batch, or zero_grad(set_to_none=False))")
+    if not grads_at_start and any(have):
         raise TrainmechError("training_step_memory needs p.grad = None before the step (zero_grad(set_to_none=True))")
     device = params[0].device
-    baseline = {"parameters": _distinct_bytes(params), "optimizer_states": _distinct_bytes(_state_tensors(optimizer))}
+    baseline = {"parameters": _distinct_bytes(params), "optimizer_states": _distinct_bytes(_state_tensors(optimizer)),
+                "gradients": _distinct_bytes([p.grad for p in params]) if grads_at_start else 0}
     if allocator is None:
         allocator = "cuda" if device.type == "cuda" else None
     window = (allocator_window(device, allocator, assume_start_bytes=sum(baseline.values())) if allocator
               else contextlib.nullcontext(None))
     tracker = StorageTracker()
     handles = phase_hooks(model, tracker)
+    if hasattr(optimizer, "watch"):
+        handles.append(optimizer.watch(tracker))
+    precision = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     try:
         with window as seen, tracker:
-            loss = model(**batch, use_cache=False).loss
+            with precision:
+                loss = model(**batch, use_cache=False).loss
             tracker.phase = "backward.loss"
             loss.backward()
             del loss
             tracker.tag([p.grad for p in params if p.grad is not None], "gradients")
-            tracker.phase = "optimizer"
-            optimizer.step()
-            tracker.tag(_state_tensors(optimizer), "optimizer_states")
-            tracker.phase = "zero_grad"
-            optimizer.zero_grad(set_to_none=True)
+            if update:
+                tracker.phase = "optimizer"
+                optimizer.step()
+                tracker.tag(_state_tensors(optimizer), "optimizer_states")
+                tracker.phase = "zero_grad"
+                optimizer.zero_grad(set_to_none=set_to_none)
     finally:
         for h in handles:
             h.remove()
@@ -367,34 +467,113 @@ def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
                       seen.peak_reserved_bytes, outside)
 
 
-@contextmanager
-def cuda_memory_history(device: torch.device, max_entries: int = 200_000):
-    """Record the CUDA caching allocator's history while the block runs (torch.cuda.memory._record_memory_history).
+@dataclass
+class HistoryBlock:
+    """One allocation in a memory history: its size, the events it lives between, what it was."""
 
-    Yields a dict that is filled on exit: alloc_events, free_events, segments, reserved_bytes (the
-    segments' total size) and largest_segment_bytes. Off CUDA it stays empty: there is no such history.
+    nbytes: int
+    born: int  # index of its alloc event
+    died: int | None  # index of its free event; None: alive at the end
+    category: str  # one of CATEGORIES, or "allocator only" (no tensor state: cuBLAS workspace, kernel scratch)
+    phase: str  # the phase it was born in ("" when unknown)
+    address: int = 0  # the allocator's address (CUDA history)
+
+
+class MemoryHistory(dict):
+    """A memory history: the summary (alloc_events, free_events, segments, reserved_bytes,
+    largest_segment_bytes; empty when nothing was recorded) and `blocks`, every allocation in order.
+
+    `source`: "cuda-allocator" (torch.cuda.memory._record_memory_history, Python stacks) or
+    "storage-tracker" (trainmech's tracker: tensor storages only; what a CPU can record).
     """
-    summary: dict[str, int] = {}
-    if device.type != "cuda":
-        yield summary
-        return
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
-    try:
-        yield summary
-        snapshot = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __init__(self, source: str | None = None):
+        super().__init__()
+        self.source = source
+        self.blocks: list[HistoryBlock] = []
+        self.events = 0
+
+    def labelled(self, steps: list[StepMemory]) -> MemoryHistory:
+        """Name each allocator block after the tracked storage born at the same address in the same order
+        (category and phase); a block no tensor matches is "allocator only". Returns self."""
+        births = [(a.address, step.category(a), a.born_phase) for step in steps for a in step.allocations]
+        k = 0
+        for block in self.blocks:
+            block.category, block.phase = "allocator only", ""
+            for j in range(k, min(k + 64, len(births))):  # internal allocations interleave, never reorder
+                if births[j][0] == block.address:
+                    block.category, block.phase = births[j][1], births[j][2]
+                    k = j + 1
+                    break
+        return self
+
+
+def history_from_tracker(steps: list[StepMemory]) -> MemoryHistory:
+    """The tracked storages of these steps as a memory history (what a CPU can record; baselines excluded)."""
+    history, offset = MemoryHistory("storage-tracker"), 0
+    for step in steps:
+        for a in step.allocations:
+            died = None if a.died is None else offset + a.died
+            history.blocks.append(HistoryBlock(a.nbytes, offset + a.born, died, step.category(a), a.born_phase))
+        offset += len(step.live)
+    history.events = offset
+    history.update(alloc_events=len(history.blocks), free_events=sum(b.died is not None for b in history.blocks))
+    return history
+
+
+def _history_from_snapshot(snapshot: dict, index: int) -> MemoryHistory:
+    """A MemoryHistory from torch.cuda.memory._snapshot()'s trace of one device."""
     traces = snapshot.get("device_traces", [])
-    events = traces[index] if index < len(traces) else []
+    trace = traces[index] if index < len(traces) else []
     segments = [seg for seg in snapshot.get("segments", []) if seg.get("device", index) == index]
-    summary.update(
-        alloc_events=sum(e.get("action") == "alloc" for e in events),
-        free_events=sum(e.get("action") == "free_completed" for e in events),
+    history, live = MemoryHistory("cuda-allocator"), {}
+    for e in trace:
+        action = e.get("action")
+        if action == "alloc":
+            block = HistoryBlock(int(e.get("size", 0)), history.events, None, "", "", int(e.get("addr", 0)))
+            live[block.address] = block
+            history.blocks.append(block)
+            history.events += 1
+        elif action == "free_completed" and int(e.get("addr", 0)) in live:
+            live.pop(int(e["addr"])).died = history.events
+            history.events += 1
+    history.update(
+        alloc_events=sum(e.get("action") == "alloc" for e in trace),
+        free_events=sum(e.get("action") == "free_completed" for e in trace),
         segments=len(segments),
         reserved_bytes=sum(int(seg.get("total_size", 0)) for seg in segments),
         largest_segment_bytes=max((int(seg.get("total_size", 0)) for seg in segments), default=0),
     )
+    return history
+
+
+@contextmanager
+def cuda_memory_history(device: torch.device, max_entries: int = 200_000):
+    """Record the CUDA caching allocator's history, with Python stacks, while the block runs
+    (torch.cuda.memory._record_memory_history(stacks="python")).
+
+    Yields a MemoryHistory filled on exit (see there). Off CUDA it stays empty, source None: there is no
+    such history; `history_from_tracker` gives the CPU's stand-in from a tracked step.
+    """
+    if device.type != "cuda":
+        yield MemoryHistory()
+        return
+    history = MemoryHistory("cuda-allocator")
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    try:
+        yield history
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    recorded = _history_from_snapshot(snapshot, device.index if device.index is not None else torch.cuda.current_device())
+    history.update(recorded)
+    history.blocks, history.events = recorded.blocks, recorded.events
+
+
+def step_history(history: MemoryHistory, steps: list[StepMemory]) -> MemoryHistory:
+    """The allocator's history of these steps, labelled by the tracker, when one was recorded (CUDA);
+    otherwise the tracker's own history of them (tensor storages only)."""
+    return history.labelled(steps) if history.blocks else history_from_tracker(steps)
 
 
 # ----------------------------------------------------------------------------- memory: the allocator's own count

@@ -276,7 +276,8 @@ def continual_pretrain(before: dict[str, float], after: dict[str, float]):
 # ----------------------------------------------------------------------------- Task4: the state ledger
 
 CATEGORY_COLOURS = {"parameters": "tab:gray", "gradients": "tab:red", "optimizer_states": "tab:purple",
-                    "activations": "tab:olive", "saved": "tab:blue", "workspace": "tab:orange"}
+                    "unsaved_activations": "tab:olive", "saved": "tab:blue", "upstream_grads": "tab:cyan",
+                    "workspace": "tab:orange"}
 
 
 def lifecycle_chart(rows, phases: list[str]):
@@ -355,6 +356,95 @@ def memory_timeline(live: list[int], phases: list[str], baseline: int, predicted
     bottom.set_ylim(0, max(bottom_) * 1.35)  # headroom: the legend sits above the tallest bar
     bottom.legend(fontsize=7, ncols=4, loc="upper left")
     bottom.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def memory_viz_timeline(history, *, columns: int = 300, min_share: float = 0.004, title: str = ""):
+    """PyTorch memory_viz's "active memory timeline" for one history (trainmech.measure.MemoryHistory):
+    every live allocation a band, stacked in birth order, so a freed block lets the younger ones drop.
+
+    Colour = the state category (grey: an allocator block no tensor state matches). Blocks below
+    min_share of the peak are pooled into one band on top (memory_viz shows them one by one).
+    x: the history's alloc/free events; y: live bytes above what was alive before the history began.
+    """
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    mib, n = 2**20, max(history.events, 1)
+    xs = sorted({round(k * (n - 1) / max(columns - 1, 1)) for k in range(columns)} | {n - 1})
+    alive_at = lambda b, t: b.born <= t and (b.died is None or b.died > t)  # noqa: E731
+    totals = [sum(b.nbytes for b in history.blocks if alive_at(b, t)) for t in xs]
+    floor = min_share * max(totals + [1])
+    big = [b for b in history.blocks if b.nbytes >= floor]
+    polys, colours = [], []
+    offsets = {id(b): [None] * len(xs) for b in big}
+    for j, t in enumerate(xs):
+        height = 0
+        for b in big:  # birth order: older blocks below
+            if alive_at(b, t):
+                offsets[id(b)][j] = height
+                height += b.nbytes
+    for b in big:
+        pts = [(xs[j], o) for j, o in enumerate(offsets[id(b)]) if o is not None]
+        if not pts:
+            continue
+        top = [(x, (o + b.nbytes) / mib) for x, o in pts]
+        polys.append(top + [(x, o / mib) for x, o in reversed(pts)])
+        colours.append(CATEGORY_COLOURS.get(b.category, "0.6"))
+    fig, (ax,) = _figure(1, 9.0, 3.6)
+    ax.add_collection(PolyCollection(polys, facecolors=colours, edgecolors="none", alpha=0.9))
+    ax.plot(xs, [t / mib for t in totals], color="black", lw=0.8, label="all live blocks (small ones pooled on top)")
+    present = [c for c in CATEGORY_COLOURS if any(b.category == c for b in big)]
+    handles = [Patch(color=CATEGORY_COLOURS[c], label=c) for c in present]
+    if any(b.category == "allocator only" for b in big):
+        handles.append(Patch(color="0.6", label="allocator only"))
+    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7, ncols=3, loc="upper left")
+    ax.set_xlim(0, n)
+    ax.set_ylim(0, max(totals) / mib * 1.35)  # headroom for the legend
+    ax.set(xlabel=f"allocation / release event ({history.source})", ylabel="live bytes above the start (MiB)",
+           title=title or "active memory timeline (memory_viz style)")
+    ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def per_rank_bytes(reports, books):
+    """Rank 0's tracked peak for each (ZeRO stage, world size): measured composition stacked by category, the
+    ledger's predicted peak as a black dash; below, the model-state bytes the rank holds after the update.
+
+    reports: trainmech.distributed.RankReport list; books: (stage, N, rank) -> the ledger's per-rank book.
+    """
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    rows = [r for r in reports if r.rank == 0]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 5.6), layout="constrained", sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    plt.close(fig)
+    kib = 2**10
+    xs = range(len(rows))
+    base = [0.0] * len(rows)
+    for category, colour in CATEGORY_COLOURS.items():
+        vals = [r.peak_by_category[category] / kib for r in rows]
+        top.bar(xs, vals, bottom=base, color=colour, width=0.7)
+        base = [a + b for a, b in zip(base, vals)]
+    top.scatter(xs, [books[(r.stage, r.world_size, 0)].peak_overlap().bytes / kib for r in rows], marker="_", s=500,
+                color="black", zorder=3)
+    top.set(ylabel="peak, rank 0 (KiB)", title="per-rank peak of one update: measured (bars) and the ledger (dash)")
+    top.set_ylim(0, max(base) * 1.45)
+    handles = [Patch(color=c, label=k) for k, c in CATEGORY_COLOURS.items()]
+    handles.append(Line2D([], [], marker="_", ms=14, ls="", color="black", label="ledger's predicted peak"))
+    top.legend(handles=handles, fontsize=7, ncols=4, loc="upper right")
+    held = ("parameters", "gradients", "optimizer_states")
+    width = 0.25
+    for k, name in enumerate(held):
+        bottom.bar([x + (k - 1) * width for x in xs], [r.held[name] / kib for r in rows], width, color=CATEGORY_COLOURS[name],
+                   label=name)
+    bottom.set(ylabel="held after the update (KiB)", xlabel="ZeRO stage (PyTorch's engine) × world size N")
+    bottom.set_xticks(list(xs), [f"stage {r.stage}\nN={r.world_size}" for r in rows], fontsize=7)
+    bottom.legend(fontsize=7, ncols=3, loc="upper right")
+    bottom.set_ylim(0, max(r.held["optimizer_states"] for r in rows) / kib * 1.4)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3, axis="y")
     return fig
 
 

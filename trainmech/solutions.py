@@ -148,6 +148,44 @@ def gradient_lifecycle(model):
     return out
 
 
+def predict_peak(cfg, batch, seq):
+    """(peak phase, bytes by category) of a steady fp32 AdamW update on the CPU: the largest of three moments."""
+    b, s, h, v, n_layers = batch, seq, cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    tied, d = cfg.tie_word_embeddings, h // cfg.num_attention_heads
+    sizes = []                                       # parameter tensors in named_parameters() order
+    q, kv, inner = h, cfg.num_key_value_heads * d, cfg.intermediate_size
+    per_layer = [q * h, q, kv * h, kv, kv * h, kv, h * q, inner * h, inner * h, h * inner, h, h]
+    sizes = [v * h] + per_layer * n_layers + [h] + ([] if tied else [v * h])
+    n = sum(sizes)
+    params, grads, moments = 4 * n, 4 * n, 8 * n + 4 * len(sizes)   # + one fp32 step counter per tensor
+    saved = n_layers * layer_saved_bytes(cfg, b, s) + 2 * s * d * 4          # every layer, and RoPE's cos / sin
+    saved += 4 * (3 * b * s * h + b * s) + 4 * b * s * v + 4                  # final norm, log-softmax, the loss
+    at = {
+        "backward.loss": {"parameters": params, "optimizer_states": moments, "saved": saved,
+                          "upstream_grads": 2 * 4 * b * s * v + 4},           # NLL grad and dlogits (fp32), the seed
+        "optimizer": {"parameters": params, "gradients": grads, "optimizer_states": moments,
+                      "workspace": 4 * max(p + 2 * c for p, c in zip([0] + sizes, sizes))},  # the loop's sqrt temporaries
+    }
+    if tied:                                         # the head's and the lookup's shares of the tied gradient, and their sum
+        at["backward.embed"] = {"parameters": params, "gradients": grads, "optimizer_states": moments,
+                                "saved": 4, "upstream_grads": 2 * 4 * v * h + 4}
+    phase = max(at, key=lambda p: sum(at[p].values()))
+    return phase, at[phase]
+
+
+def fsdp_held_bytes(model, world_size, rank):
+    """Bytes one rank holds after an FSDP2 AdamW update (fp32): padded shards of parameters and gradients,
+    the moments of its own rows and one step counter per tensor."""
+    padded = own = tensors = 0
+    for p in model.parameters():                    # a tied weight is listed once
+        rows, per_row = p.shape[0], p.numel() // p.shape[0]
+        chunk = -(-rows // world_size)              # every rank stores ceil(rows / N) rows ...
+        padded += chunk * per_row
+        own += max(0, min(chunk, rows - rank * chunk)) * per_row  # ... of which these are its own
+        tensors += 1
+    return {"parameters": 4 * padded, "gradients": 4 * padded, "optimizer_states": 8 * own + 4 * tensors}
+
+
 # ============================================================================= Task5
 
 
@@ -238,6 +276,8 @@ SOLUTIONS = {
     "task3.scheduled_lrs": scheduled_lrs,
     "task4.layer_saved_bytes": layer_saved_bytes,
     "task4.gradient_lifecycle": gradient_lifecycle,
+    "task4.predict_peak": predict_peak,
+    "task4.fsdp_held_bytes": fsdp_held_bytes,
     "task5.offload_hooks": make_offload_hooks,
     "task5.checkpoint": my_checkpoint,
     "task6.gradient_gate": gradient_gate,

@@ -9,15 +9,6 @@ import torch
 from trainmech.exercises import _Run, _Wrong, _exercise, _tiny_model
 
 
-def _added_saved_per_layer(measured, n_layers: int) -> list[int]:
-    """Saved-tensor bytes each layer's forward added (Task4 · 1, `saved_at_end_of`)."""
-    def at_end(phase):
-        return measured.by_category(max(k for k, p in enumerate(measured.phases) if p == phase))["saved"]
-
-    ends = ["forward.embed"] + [f"forward.layer.{i}" for i in range(n_layers)]
-    return [at_end(b) - at_end(a) for a, b in zip(ends, ends[1:])]
-
-
 @_exercise("task4.layer_saved_bytes", "一个解码层为反向保存的字节数（fp32，CPU）")
 def _task4_layer(run: _Run) -> None:
     from trainmech import ledger, profiles, workload
@@ -29,7 +20,7 @@ def _task4_layer(run: _Run) -> None:
                 f"kv_heads={cfg.num_key_value_heads}, intermediate={cfg.intermediate_size}；batch={b}, seq={s}）"
         ours = run.call(where, cfg, b, s)
         point, = ledger.measure_point(model_name, b, s, steps=("first",))
-        added = _added_saved_per_layer(point.measured, cfg.num_hidden_layers)
+        added = point.measured.saved_added_per_layer(cfg.num_hidden_layers)
         measured = added[0]
         if not isinstance(ours, (int, float)) or isinstance(ours, bool) or ours != int(ours):
             raise _Wrong(f"✗ {where}：应返回一个整数（字节数），你返回了 {ours!r}")
@@ -96,3 +87,96 @@ def _task4_gradients(run: _Run) -> None:
         if tied and sum(ours.values()) - sum(measured.values()) == head:
             lines.append("    提示：共享的权重只有一个 .grad，只算一次")
         raise _Wrong(lines, "梯度的生命周期与实测不一致")
+
+
+# configs the page never shows: a large untied vocabulary with a short batch, and a small tied one with a long batch
+UNSEEN = (
+    ({"vocab_size": 8192, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "tie_word_embeddings": False}, 1, 16),
+    ({"vocab_size": 512, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 3, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "tie_word_embeddings": True}, 4, 128),
+)
+WHY = {  # what dominates the moment the peak really falls in
+    "backward.loss": "反向刚开始：前向留下的保存张量全部还在，再加两块 b·s·V·4 字节的 fp32 上游梯度（NLL 的梯度与 log-softmax 对 logits 的梯度）",
+    "optimizer": "更新时刻：全部梯度、两个 AdamW 矩，加上逐张量循环里最大张量的两份 sqrt 临时张量（工作区）；保存张量早已释放",
+    "backward.embed": "共享权重的汇合时刻：输出头那份梯度在引擎里等着，查表那份到了，两者相加成 .grad：三块 V·h·4 字节同时存在",
+}
+
+
+def _steady_step(cfg_dict: dict, batch: int, seq: int):
+    """A steady AdamW update (PyTorch's CPU default, the per-tensor loop) tracked on a fresh fp32 model."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trainmech import measure, workload
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**cfg_dict, attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(cfg)
+    data = workload.lm_batch("domain", batch, seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    measure.training_step_memory(model, opt, data)  # the first update creates the optimizer states
+    return cfg, measure.training_step_memory(model, opt, data)
+
+
+@_exercise("task4.predict_peak", "没见过的配置：峰值在哪个阶段、由什么组成")
+def _task4_predict_peak(run: _Run) -> None:
+    from trainmech.ledger import CATEGORIES
+
+    for c, (cfg_dict, b, s) in enumerate(UNSEEN, 1):
+        cfg, step = _steady_step(cfg_dict, b, s)
+        where = (f"输入 {c}（vocab={cfg.vocab_size}, hidden={cfg.hidden_size}, layers={cfg.num_hidden_layers}, "
+                 f"{'共享' if cfg.tie_word_embeddings else '不共享'}嵌入；batch={b}, seq={s}）")
+        ours = run.call(where, cfg, b, s)
+        if not (isinstance(ours, tuple) and len(ours) == 2 and isinstance(ours[0], str) and isinstance(ours[1], dict)):
+            raise _Wrong(f"✗ {where}：应返回 (阶段名, {{类别: 字节数}})，你返回了 {ours!r:.80}")
+        phase, composition = ours
+        unknown = set(composition) - set(CATEGORIES)
+        if unknown:
+            raise _Wrong(f"✗ {where}：类别名 {sorted(unknown)} 不在 ledger.CATEGORIES 里（{', '.join(CATEGORIES)}）")
+        measured, peak = step.by_category(), step.peak_bytes
+        if phase != step.peak_phase:
+            raise _Wrong([f"✗ {where}：你说峰值在 {phase}，实测在 {step.peak_phase}（{peak:,} 字节）",
+                          f"    那一刻：{WHY.get(step.peak_phase, '')}"], f"峰值阶段 {phase} ≠ 实测 {step.peak_phase}")
+        off = {k: int(composition.get(k, 0)) - measured[k] for k in CATEGORIES if abs(int(composition.get(k, 0)) - measured[k]) > 0.02 * peak}
+        if off:
+            lines = [f"✗ {where}：阶段 {phase} 对了，但这些类别与实测相差超过峰值的 2%："]
+            lines += [f"    {k:<20} 你的 {int(composition.get(k, 0)):>12,}  实测 {measured[k]:>12,}（差 {d:+,}）" for k, d in off.items()]
+            vocab_grads = 2 * b * s * cfg.vocab_size * 4
+            if off.get("upstream_grads") == -vocab_grads:
+                lines.append("    提示：漏了两块词表大小的 fp32 上游梯度：NLL 的梯度和 log-softmax 对 logits 的梯度，各 b·s·V·4 字节")
+            if "optimizer_states" in off:
+                lines.append("    提示：稳态更新时 AdamW 的两个矩在更新之前就在；CPU 上每个参数张量还有一个 4 字节的 step 计数")
+            if "gradients" in off and phase == "backward.loss":
+                lines.append("    提示：set_to_none=True 时，上一次更新后梯度已被释放：反向刚开始时梯度是 0")
+            raise _Wrong(lines, f"{', '.join(off)} 与实测不符")
+        run.ok(f"{where}：峰值在 {phase}，{len(CATEGORIES)} 个类别都在实测的 2% 以内（实测峰值 {peak:,} 字节）")
+
+
+@_exercise("task4.fsdp_held_bytes", "FSDP2 的每个 rank 持有多少字节")
+def _task4_fsdp_held(run: _Run) -> None:
+    from trainmech import distributed
+
+    n = 3  # 3 ranks: the model's 64- and 176-row tensors do not split evenly
+    reports = {r.rank: r for r in distributed.run(stages=(3,), world_sizes=(n,), batch=n, seq=16, torch_tracker=())}
+    model = _tiny_model()
+    for c, rank in enumerate((0, n - 1), 1):
+        where = f"输入 {c}（qwen2-tiny，FSDP2 每层 + 根模块，world_size={n}，rank={rank}）"
+        ours = run.call(where, model, n, rank)
+        if not isinstance(ours, dict) or set(ours) != {"parameters", "gradients", "optimizer_states"}:
+            raise _Wrong(f"✗ {where}：应返回 {{'parameters', 'gradients', 'optimizer_states'}} 三个键的字典，你返回了 {ours!r:.80}")
+        measured = reports[rank].held
+        if {k: int(v) for k, v in ours.items()} == measured:
+            run.ok(f"{where}：参数 {measured['parameters']:,}、梯度 {measured['gradients']:,}、优化器状态 "
+                   f"{measured['optimizer_states']:,} 字节，与实测逐字节一致")
+            continue
+        lines = [f"✗ {where}：与 {n} 个进程实测的持有字节不一致："]
+        lines += [f"    {k:<17} 你的 {int(ours.get(k, 0)):>9,}  实测 {measured[k]:>9,}（差 {int(ours.get(k, 0)) - measured[k]:+,}）"
+                  for k in measured if int(ours.get(k, 0)) != measured[k]]
+        psi = sum(p.numel() for p in model.parameters())
+        if int(ours["parameters"]) in (4 * psi // n, -(-4 * psi // n)):
+            lines.append("    提示：FSDP2 按每个张量的第 0 维切，不是把全部元素平均分：每个 rank 存 ⌈d0/N⌉ 行")
+        elif int(ours["parameters"]) < measured["parameters"]:
+            lines.append("    提示：行数除不尽时，每个 rank 的分片都填充到 ⌈d0/N⌉ 行（最后一个 rank 也一样），字节按填充后的大小算")
+        if int(ours["optimizer_states"]) != measured["optimizer_states"] and int(ours["parameters"]) == measured["parameters"]:
+            lines.append("    提示：AdamW 的两个矩只覆盖本 rank 自己的行（不含填充）；每个参数张量另有一个 4 字节的 step 计数")
+        raise _Wrong(lines, "FSDP2 每个 rank 的持有字节与实测不符")

@@ -62,7 +62,13 @@ def work() -> dict[str, tuple[list[Work], int]]:
                    for wid in ga]
                   + [_w("default14", 7.5 * updates + 10, note="AMP x3, dynamics x3, continual pretraining")], 3),
         "Task4": ([Work(m, b, s, 2, note="tracked first + steady update") for m, pts in ledger.CUDA_POINTS.items() for b, s in pts]
-                  + [Work(p.default_model, 1, 256, 1, recipe="bf16", note="bf16 saved-tensor inventory")], 1),
+                  + [Work(m, b, s, 2 * 4 / 3, note="checkpointed first + steady (scenarios)") for m, pts in ledger.CUDA_POINTS.items()
+                     for b, s in pts]
+                  + [Work(m, b, s, 1, recipe="bf16", note="bf16 saved-tensor inventory") for m, pts in ledger.CUDA_POINTS.items()
+                     for b, s in pts]
+                  + [Work(p.default_model, 1, 16, 4, note="bytes per parameter, four recipes"),
+                     Work(p.default_model, 1, 32, 8, note="four AdamW variants, first + steady"),
+                     Work(p.default_model, 2, 32, 6, note="autocast, two micro-batches, set_to_none=False")], 1),
         "Task5": ([Work(ckpt.model, ckpt.batch, ckpt.seq, 2 + 6 + 24 + 4 + 7 + 2 * peaks,
                         note="baseline trace, tracked steps, 12 scenarios x (2 tracked + 2 probed), in-backward, phase times, "
                              "the baseline's peaks"),

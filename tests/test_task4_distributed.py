@@ -1,0 +1,130 @@
+"""Task4 · 8: ZeRO's stages run by PyTorch's engines over gloo, per rank, against the ledger's per-rank projection;
+the launcher's refusals and its failure handling (no process outlives a failed run)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainmech import distributed, ledger
+from trainmech.errors import TrainmechError
+from trainmech.ledger import zero
+
+
+def _children_alive() -> list[int]:
+    """Pids of this process's children that still run (zombies are reaped ones' leftovers, not running)."""
+    me, alive = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                alive.append(int(entry))
+    return alive
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return distributed.run(stages=(0, 1, 2, 3), world_sizes=(1, 2))
+
+
+def test_every_stage_is_predicted_rank_by_rank(reports):
+    assert len(reports) == 4 * (1 + 2)
+    shape = ledger.model_shape("qwen2-tiny")
+    for r in reports:
+        book = zero.per_rank("qwen2-tiny", 4, 32, r.stage, r.world_size, r.rank)
+        assert book.peak_overlap().bytes == r.peak_bytes and book.peak_overlap().phase == r.peak_phase, (r.stage, r.world_size)
+        assert zero.held_per_rank("qwen2-tiny", r.stage, r.world_size, r.rank) == r.held
+        measured = {k: (c.calls, c.payload_bytes) for k, c in r.collectives.items()}
+        assert measured == zero.communication(shape, r.stage, r.world_size), (r.stage, r.world_size)
+        if r.torch_tracker_peak is not None:  # PyTorch's FSDPMemTracker also counts the rotary buffers (64 B)
+            assert r.torch_tracker_peak - r.peak_bytes == 64
+
+
+def test_sharding_divides_what_the_stage_promises(reports):
+    held = {(r.stage, r.world_size, r.rank): r.held for r in reports}
+    one = held[(0, 1, 0)]
+    assert held[(1, 2, 0)]["optimizer_states"] + held[(1, 2, 1)]["optimizer_states"] == one["optimizer_states"] + 4 * 0
+    for stage in (2, 3):
+        assert all(held[(stage, 2, r)][k] == one[k] // 2 for r in (0, 1) for k in ("parameters", "gradients"))
+    assert held[(0, 2, 0)] == one  # DDP: everything on every rank
+
+
+def test_the_update_equals_one_process(reports):
+    loss, grads, params = distributed.reference_update()
+    for r in (r for r in reports if r.rank == 0):
+        if r.world_size == 1:  # the same arithmetic on one rank: bitwise
+            assert all(torch.equal(r.grads[n], g) for n, g in grads.items()), r.stage
+            assert all(torch.equal(r.params[n], p) for n, p in params.items()), r.stage
+        else:  # the ranks' partial sums are added in another order: rounding only
+            rel = max(float((r.grads[n] - g).abs().max() / g.abs().max()) for n, g in grads.items())
+            moved = max(float((r.params[n] - p).abs().max()) for n, p in params.items())
+            assert rel <= 1e-5 and moved <= 1e-2 * distributed.LR, (r.stage, rel, moved)
+    mean_loss = {}
+    for r in reports:
+        mean_loss.setdefault((r.stage, r.world_size), []).append(r.loss)
+    assert all(abs(sum(v) / len(v) - loss) <= 1e-6 * loss for v in mean_loss.values())
+
+
+def test_pytorchs_comm_debug_mode_counts_the_same_collectives():
+    for r in distributed.run(stages=(1, 3), world_sizes=(2,), comm_debug=True):
+        assert r.comm_debug_counts == {k: c.calls for k, c in r.collectives.items()}, r.stage
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"world_sizes": (8,)}, "world size 8 is larger than the batch of 4"),
+    ({"world_sizes": (3,)}, "does not split evenly over 3 ranks"),
+    ({"stages": (4,)}, "stage must be 0, 1, 2 or 3"),
+    ({"world_sizes": (0,)}, "a world size must be a positive integer"),
+    ({"start_method": "thread"}, "start method 'thread' is not available"),
+])
+def test_bad_input_is_refused_in_one_line(kwargs, words):
+    with pytest.raises(TrainmechError, match=words) as e:
+        distributed.run(**kwargs)
+    assert "\n" not in str(e.value)
+    assert _children_alive() == []
+
+
+def test_a_port_in_use_is_refused_in_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(TrainmechError, match="cannot listen on 127.0.0.1") as e:
+            distributed.run(stages=(0,), world_sizes=(1,), port=taken.getsockname()[1])
+    assert "\n" not in str(e.value) and _children_alive() == []
+
+
+def test_a_worker_killed_mid_update_stops_every_process():
+    with pytest.raises(TrainmechError, match="died") as e:
+        distributed.run(stages=(3,), world_sizes=(2,), die_in=(1, "forward.layer.1"))
+    assert "every worker was stopped" in str(e.value) and "\n" not in str(e.value)
+    assert _children_alive() == []
+
+
+def test_a_run_past_its_timeout_stops_every_process():
+    with pytest.raises(TrainmechError, match="took longer than"):
+        distributed.run(stages=(0, 1, 2, 3), world_sizes=(2,), timeout=0.5)
+    assert _children_alive() == []
+
+
+def test_spawned_workers_import_the_module_afresh():
+    """What a notebook kernel needs: the worker is a module-level function, so "spawn" can start it."""
+    r, = distributed.run(stages=(0,), world_sizes=(1,), start_method="spawn", timeout=300)
+    assert r.held["parameters"] == 4 * ledger.model_shape("qwen2-tiny").n_params
+
+
+def test_torchrun_runs_the_same_worker():
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                          "trainmech.distributed", "--stage", "2"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split()[1] for line in lines] == ["0/2", "1/2"]
+    assert all("parameters 251,008 B" in line for line in lines)  # half of the 502,016 parameter bytes each
+    alone = subprocess.run([sys.executable, "-m", "trainmech.distributed"], capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 2 and alone.stderr.count("\n") == 1 and "torchrun" in alone.stderr

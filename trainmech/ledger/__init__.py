@@ -1,0 +1,49 @@
+"""The training-state ledger: state bytes, their lifecycles over one training step, and the peak overlap.
+
+    book = ledger.training_state_lifecycle("qwen2.5-0.5b", batch=2, seq=512, device="cuda")
+    book.peak_overlap()        # Peak: the tick and phase of the peak, its bytes, its composition by category
+    book.states                # every State: category, bytes, created / last consumed / released_at tick
+    ledger.scenario_matrix(…)  # first vs steady update, forward+backward vs whole update, per strategy
+
+Read it one file at a time, in this order:
+
+    categories.py   the seven state categories, shared with trainmech.measure
+    recipes.py      dtype recipes: bytes per element of each state (pure, autocast, ZeRO's mixed)
+    shape.py        a decoder config -> ModelShape, with transformers' defaults
+    clock.py        the step's ticks, and a State's lifecycle on them
+    inventory.py    what one layer saves for its backward, SDPA kernel by kernel
+    states.py       every state of one step: the byte formulas
+    book.py         the Ledger: live bytes per tick, peaks, offload, lifecycles
+    scenarios.py    the scenario matrix and the optimizer variants
+    zero.py         the per-device projection over N data-parallel devices (ZeRO stages, FSDP2)
+    allocator.py    what `allocated` cannot see: CUDA's caching allocator, context, cuBLAS workspace
+    formulas.py     published formulas beside it: ZeRO, Korthikanti, DeepSpeed's estimators
+    compare.py      predicted vs measured at one point
+    peers.py        the benchmark: the ledger, accelerate and DeepSpeed against the same measurements
+    cli.py          python -m trainmech ledger
+"""
+
+from trainmech.ledger import allocator, scenarios, zero
+from trainmech.ledger.book import Ledger, Peak, training_state_lifecycle
+from trainmech.ledger.categories import BATCH_STATES, CATEGORIES, CATEGORY_ZH, MODEL_STATES
+from trainmech.ledger.cli import build_parser, main, render
+from trainmech.ledger.clock import AFTER, BEFORE, LAYER_BACKWARD_MOMENTS, State, phase_of, ticks
+from trainmech.ledger.compare import CPU_POINTS, CUDA_POINTS, Comparison, measure_point, measured_bytes_per_param, padded_batch
+from trainmech.ledger.formulas import (deepspeed_zero2_gpu_bytes, deepspeed_zero3_gpu_bytes, korthikanti_activation_bytes,
+                                       zero_bytes_per_device, zero_communication_volume)
+from trainmech.ledger.inventory import ATTENTION, DEVICES, SavedTensor, attention_kernel, layer_saved
+from trainmech.ledger.peers import benchmark
+from trainmech.ledger.recipes import FP32_BYTES, INDEX_BYTES, RECIPES, Recipe, recipe
+from trainmech.ledger.shape import SUPPORTED_MODEL_TYPES, ModelShape, load_config, model_shape
+from trainmech.ledger.scenarios import scenario_matrix
+from trainmech.ledger.states import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS
+
+__all__ = [
+    "Ledger", "Peak", "training_state_lifecycle", "BATCH_STATES", "CATEGORIES", "CATEGORY_ZH", "MODEL_STATES", "AFTER",
+    "BEFORE", "LAYER_BACKWARD_MOMENTS", "State", "phase_of", "ticks", "CPU_POINTS", "CUDA_POINTS", "Comparison",
+    "measure_point", "measured_bytes_per_param", "padded_batch", "deepspeed_zero2_gpu_bytes", "deepspeed_zero3_gpu_bytes", "korthikanti_activation_bytes",
+    "zero_bytes_per_device", "zero_communication_volume", "ATTENTION", "DEVICES", "SavedTensor", "attention_kernel",
+    "layer_saved", "FP32_BYTES", "INDEX_BYTES", "RECIPES", "Recipe", "recipe", "SUPPORTED_MODEL_TYPES", "ModelShape",
+    "load_config", "model_shape", "CHECKPOINTING", "OPTIMIZER_IMPLS", "OPTIMIZERS", "allocator", "scenarios", "zero",
+    "build_parser", "main", "render", "benchmark", "scenario_matrix",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from trainmech.ledger.cli import main
+
+sys.exit(main())

@@ -1,0 +1,163 @@
+"""The ledger beside a measurement: build the model, run tracked steps, pair each with its prediction.
+
+    first, steady = measure_point("qwen2-small", 2, 128)     # a Comparison each: predicted, measured, error
+    benchmark()                                              # every CPU point, with the peers' estimates beside
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainmech.errors import TrainmechError
+from trainmech.ledger.book import Ledger, training_state_lifecycle
+from trainmech.ledger.recipes import recipe
+from trainmech.ledger.shape import model_shape
+
+CPU_POINTS = {"qwen2-tiny": [(1, 32), (2, 128), (4, 256)], "qwen2-small": [(1, 64), (2, 128), (2, 256)]}
+CUDA_POINTS = {"qwen2.5-0.5b": [(2, 512)]}
+STEPS = ("first", "steady")
+
+
+@dataclass
+class Comparison:
+    """Predicted and measured peak of one (model, batch, seq, step) point."""
+
+    model: str
+    batch: int
+    seq: int
+    step: str  # "first" | "steady"
+    predicted: Ledger
+    measured: Any  # trainmech.measure.StepMemory
+    micro_batch: int = 1
+    measured_peak: int = field(init=False)
+
+    def __post_init__(self):
+        # on CUDA the allocator is the machine's own count; elsewhere the tracked tensor bytes
+        allocated = self.measured.step_peak_allocated_bytes
+        self.measured_peak = allocated if allocated is not None else self.measured.peak_bytes
+
+    @property
+    def predicted_peak(self) -> int:
+        return self.predicted.peak_overlap().bytes
+
+    @property
+    def error(self) -> float:
+        """(predicted − measured) / measured."""
+        return (self.predicted_peak - self.measured_peak) / self.measured_peak
+
+    @property
+    def tracked_peak(self) -> int:
+        """The tracked tensor peak on any device (on CUDA `measured_peak` is the allocator's, with its rounding)."""
+        return self.measured.peak_bytes
+
+    @property
+    def tracked_error(self) -> float:
+        """(predicted − tracked) / tracked: the ledger's tensor accounting alone."""
+        return (self.predicted_peak - self.tracked_peak) / self.tracked_peak
+
+    @property
+    def measured_forward_backward_peak(self) -> int:
+        """The measured peak before the update (baseline included): forward, loss and backward events."""
+        return self.measured.forward_backward_peak()
+
+    def lifecycle_differences(self) -> dict[tuple, tuple[int, int]]:
+        """(category, created phase, released phase) -> (ledger bytes, measured bytes) where they differ,
+        over the states that cross a phase boundary."""
+        ours = self.predicted.crossing_lifecycles()
+        theirs = {k: v for k, v in self.measured.lifecycles().items() if k[1] != k[2]}
+        return {k: (ours.get(k, 0), theirs.get(k, 0)) for k in ours.keys() | theirs.keys() if ours.get(k, 0) != theirs.get(k, 0)}
+
+    def lifecycle_bytes_error(self) -> float:
+        """|ledger − measured| / measured of the bytes of every state that crosses a phase boundary."""
+        ours = sum(self.predicted.crossing_lifecycles().values())
+        theirs = sum(v for k, v in self.measured.lifecycles().items() if k[1] != k[2])
+        return abs(ours - theirs) / theirs
+
+
+def padded_batch(batch: int, seq: int) -> dict:
+    """`batch` rows of the domain text, row i shorter by i·seq/(2·batch) tokens, right-padded to seq."""
+    from trainmech import workload
+
+    if batch < 2:
+        raise TrainmechError("a padded batch needs rows of different lengths: batch >= 2")
+    rows = workload.lm_batch("domain", batch, seq)["input_ids"].tolist()
+    return workload.pad_batch([row[: seq - i * seq // (2 * batch)] for i, row in enumerate(rows)])
+
+
+def _optimizer(params, impl: str, in_backward: bool):
+    from trainmech import optimizers
+
+    if in_backward:
+        return optimizers.OptimizerInBackward(params, impl, lr=1e-4)
+    return optimizers.adamw(params, impl, lr=1e-4)
+
+
+def measure_point(model: str, batch: int, seq: int, *, run_mode: str = "cpu", seed: int = 0, dtype: str = "fp32",
+                  attention: str = "auto", steps: tuple[str, ...] = STEPS, optimizer_impl: str = "auto",
+                  optimizer_in_backward: bool = False, checkpointing: str = "none", padded: bool = False,
+                  micro_batches: int = 1, set_to_none: bool = True) -> list[Comparison]:
+    """Build the profile's model, run tracked steps (the first, then a steady one) and pair each with its prediction.
+
+    dtype: fp32 / bf16 (the model in that dtype) or autocast-bf16 / autocast-fp16 (an fp32 model, the
+    forward under torch.autocast). attention other than "auto" forces that SDPA kernel
+    (torch.nn.attention.sdpa_kernel). optimizer_impl forces AdamW's loop / foreach / fused;
+    optimizer_in_backward steps each parameter in its post-accumulate-grad hook. checkpointing "full":
+    transformers' gradient checkpointing. padded: rows of different lengths, hence an attention mask.
+    micro_batches: each step accumulates that many micro-batches; the comparisons are its first and last.
+    set_to_none=False: zero_grad keeps the gradients as zeros. steps=("first",) stops after the first step.
+    """
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trainmech import measure, profiles, workload
+
+    if tuple(steps) not in (("first",), STEPS):
+        raise TrainmechError(f"steps must be ('first',) or ('first', 'steady'), got {tuple(steps)!r}: a steady step needs a first one before it")
+    dtypes = recipe(dtype)
+    if dtypes.master_bytes:
+        raise TrainmechError(f"measure_point runs fp32, bf16 or autocast recipes, not {dtype!r} (paper accounting)")
+    profile = profiles.for_mode(run_mode)
+    device = torch.device("cuda" if profile.device == "cuda" else "cpu")
+    model_dtype = torch.float32 if dtypes.autocast or dtypes.weight_bytes == 4 else torch.bfloat16 if dtype == "bf16" else torch.float16
+    autocast = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(dtype)
+    built = workload.build_model(profile.model(model), seed=seed, dtype=model_dtype, device=device)
+    if checkpointing == "full":
+        enable = getattr(built.model, "activation_checkpointing_enable", None) or built.model.gradient_checkpointing_enable
+        enable()
+    data = padded_batch(batch, seq) if padded else workload.lm_batch("domain", batch, seq)
+    data = {k: t.to(device) for k, t in data.items()}
+    optimizer = _optimizer(built.model.parameters(), optimizer_impl, optimizer_in_backward)
+    shape = model_shape(built.model.config)
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    out = []
+    try:
+        for step in steps:
+            for k in range(1, micro_batches + 1):
+                with sdpa_kernel(backends[attention]) if attention in backends else contextlib.nullcontext():
+                    measured = measure.training_step_memory(
+                        built.model, optimizer, data, grads_at_start=k > 1 or (not set_to_none and step != "first"),
+                        update=k == micro_batches, set_to_none=set_to_none, autocast=autocast)
+                if k in (1, micro_batches):
+                    predicted = training_state_lifecycle(
+                        shape, batch, seq, dtype=dtype, device=device.type, first_step=step == "first", attention=attention,
+                        optimizer_impl=optimizer_impl, optimizer_in_backward=optimizer_in_backward, checkpointing=checkpointing,
+                        padded=padded, micro_batches=micro_batches, micro_batch=k, set_to_none=set_to_none)
+                    out.append(Comparison(model, batch, seq, step, predicted, measured, k))
+    finally:
+        if optimizer_in_backward:
+            optimizer.remove()
+    return out
+
+
+def measured_bytes_per_param(model: str, dtype: str, *, run_mode: str = "cpu", seed: int = 0) -> int | float:
+    """Model-state bytes per parameter measured in a first AdamW update: the weights, every gradient when
+    the update starts, and the two moments it creates (AdamW's per-tensor step counters left out)."""
+    point, = measure_point(model, 1, 16, run_mode=run_mode, seed=seed, dtype=dtype, steps=("first",))
+    step, shape = point.measured, point.predicted.shape
+    gradients = step.by_category(step.phases.index("optimizer"))["gradients"]
+    counters = 4 * len(shape.parameter_tensors())  # state["step"]: the tracker sees it on the host too
+    moments = step.by_category(len(step.live) - 1)["optimizer_states"] - counters
+    total = step.baseline["parameters"] + gradients + moments
+    return total // shape.n_params if total % shape.n_params == 0 else total / shape.n_params

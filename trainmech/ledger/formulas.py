@@ -1,0 +1,97 @@
+"""Published memory formulas, each with its source, beside the ledger (which counts instead of assuming).
+
+    zero_bytes_per_device       model-state bytes per device under ZeRO stages 0-3 (Rajbhandari et al.)
+    zero_communication_volume   elements each device moves per update under ZeRO (same paper, §7)
+    korthikanti_activation_bytes activation bytes per GPT-style layer (Korthikanti et al.)
+    deepspeed_zero2_gpu_bytes / deepspeed_zero3_gpu_bytes   DeepSpeed's own model-state estimators
+"""
+
+from __future__ import annotations
+
+from trainmech.errors import TrainmechError
+
+
+def zero_bytes_per_device(n_params: float, n_devices: int, stage: int, k: float = 12) -> float:
+    """Model-state bytes per device under ZeRO data parallelism (optimizer states, gradients, parameters).
+
+    Source: Rajbhandari, Rasley, Ruwase, He, "ZeRO: Memory Optimizations Toward Training Trillion
+    Parameter Models", SC 2020 (arXiv:1910.02054), §3.1 and Figure 1. Mixed-precision Adam keeps
+    2Ψ bytes of fp16 parameters, 2Ψ of fp16 gradients and KΨ of optimizer states (K = 12: fp32
+    master parameters, momentum and variance). Stage 1 (P_os) partitions the optimizer states over
+    N_d devices, stage 2 (P_os+g) the gradients too, stage 3 (P_os+g+p) the parameters too:
+    stage 0: (2+2+K)Ψ;  1: 4Ψ + KΨ/N_d;  2: 2Ψ + (2+K)Ψ/N_d;  3: (2+2+K)Ψ/N_d.
+    The paper's row for Ψ = 7.5e9, N_d = 64: 120 / 31.4 / 16.6 / 1.9 GB (1 GB = 1e9 bytes).
+    Refuses a stage outside 0–3, n_devices < 1, negative n_params or k.
+    """
+    _check_stage(stage, n_devices)
+    if n_params < 0 or k < 0:
+        raise TrainmechError(f"need n_params >= 0 and k >= 0; got {n_params}, {k}")
+    psi, n = float(n_params), float(n_devices)
+    return [(2 + 2 + k) * psi, 4 * psi + k * psi / n, 2 * psi + (2 + k) * psi / n, (2 + 2 + k) * psi / n][stage]
+
+
+def zero_communication_volume(n_params: float, stage: int) -> float:
+    """Elements each device sends and receives per update, as the ZeRO paper counts them (§7).
+
+    Data parallelism all-reduces the gradients: a reduce-scatter and an all-gather, 2Ψ. Stages 1
+    and 2 reduce-scatter the gradients (Ψ) and all-gather the updated parameters (Ψ): 2Ψ, no more
+    than data parallelism. Stage 3 all-gathers the parameters twice, for the forward and again for
+    the backward, and reduce-scatters the gradients once: 3Ψ, 1.5× data parallelism.
+    """
+    _check_stage(stage, 1)
+    return (3.0 if stage == 3 else 2.0) * float(n_params)
+
+
+def _check_stage(stage: int, n_devices: int) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise TrainmechError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+        raise TrainmechError(f"n_devices must be an integer >= 1, got {n_devices!r}")
+
+
+def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False,
+                                 recompute: str = "none") -> float:
+    """Activation bytes per transformer layer of a GPT-style model (16-bit activations, 1-byte dropout masks).
+
+    Source: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+    MLSys 2023 (arXiv:2205.05198), §4 and Table 2. s sequence, b micro-batch, h hidden, a heads,
+    t tensor-parallel degree:
+      no parallelism              sbh (34 + 5as/h)
+      tensor parallel             sbh (10 + 24/t + 5as/(ht))
+      tensor + sequence parallel  sbh (34/t + 5as/(ht))
+      selective recompute         sbh (10 + 24/t), with sequence parallel sbh (34/t)
+      full recompute              2sbh (only each layer's input is kept)
+    The 34 counts the LayerNorm inputs, the QKV/projection/MLP inputs, the GeLU input and output and
+    the dropout masks; 5as/h counts the attention scores, softmax output and its dropout (s² terms).
+    Refuses recompute other than "none" / "selective" / "full" and non-positive sizes.
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise TrainmechError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    if min(s, b, h, a, t) <= 0:
+        raise TrainmechError(f"s, b, h, a and t must be positive, got {s}, {b}, {h}, {a}, {t}")
+    sbh = float(s) * b * h
+    if recompute == "full":
+        return 2 * sbh
+    linear = 34 / t if sequence_parallel else 10 + 24 / t  # the terms that scale with sbh
+    scores = 0.0 if recompute == "selective" else 5 * a * s / (h * t)  # the s² attention terms
+    return sbh * (linear + scores)
+
+
+def deepspeed_zero2_gpu_bytes(n_params: int, n_devices: int = 1) -> int:
+    """DeepSpeed's estimate of model-state bytes per GPU for ZeRO-2 without offload: 4Ψ + 16Ψ/N.
+
+    Source: `estimate_zero2_model_states_mem_needs` in deepspeed/runtime/zero/stage_1_and_2.py, the
+    function behind DeepSpeed's "Memory Requirements" page. Model states only: no activations.
+    """
+    _check_stage(2, n_devices)
+    return 4 * n_params + int(16 * n_params / n_devices)
+
+
+def deepspeed_zero3_gpu_bytes(n_params: int, largest_layer_params: int, n_devices: int = 1) -> int:
+    """DeepSpeed's estimate for ZeRO-3 without offload: 4 × the largest layer's parameters + 18Ψ/N.
+
+    Source: `estimate_zero3_model_states_mem_needs` in deepspeed/runtime/zero/stage3.py. Model states
+    only; the largest layer is gathered whole while it computes.
+    """
+    _check_stage(3, n_devices)
+    return 4 * largest_layer_params + int(18 * n_params / n_devices)
