@@ -158,7 +158,7 @@ def test_recomputed_tensors_are_saved_tensors_in_a_measurement(batch, tensors):
     with C.hf_checkpointing(model):
         tracked = measure.training_step_memory(model, optimizer, tensors)
     rebuilt = [a for a in tracked.allocations if a.born_phase.endswith(":recompute")]
-    assert rebuilt and {tracked.category(a) for a in rebuilt} == {"saved", "activations"}
+    assert rebuilt and {tracked.category(a) for a in rebuilt} == {"saved", "unsaved_activations"}
     assert all(tracked.category(a) == "saved" for a in rebuilt if a.died_phase != a.born_phase)
 
 

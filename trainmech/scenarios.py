@@ -72,8 +72,8 @@ def offloaded(book: Ledger, *, min_bytes: int, exempt_last: int = 1, prefetch_gr
         back = j + prefetch_groups
         fetched_at = _first_tick(book, f"backward.layer.{back}") if back < n else first_backward
         states.append(dataclasses.replace(st, name=st.name + " (until its D2H is waited for)",
-                                          last_consumed=on_device_until, released=None))
-        states.append(State(st.name + " (fetched back)", "saved", st.nbytes, fetched_at, st.last_consumed, st.released))
+                                          last_consumed=on_device_until, released_at=on_device_until))
+        states.append(State(st.name + " (fetched back)", "saved", st.nbytes, fetched_at, st.last_consumed, st.released_at))
     return dataclasses.replace(book, states=tuple(states))
 
 
@@ -111,18 +111,19 @@ def with_optimizer(book: Ledger, step: str, *, in_backward_kernel: str | None = 
     numels = [numel for _, numel in book.shape.parameter_tensors()]
     states = [st for st in book.states if st.name != "optimizer.sqrt_temporaries"]
     if step != "in-backward":
-        temp = _per_tensor_temporary(numels, step) * r.moment
+        temp = _per_tensor_temporary(numels, step) * r.moment_bytes
         if temp:
             states.append(State("optimizer.sqrt_temporaries", "workspace", temp, "optimizer", "optimizer"))
-        return dataclasses.replace(book, states=tuple(states), optimizer=f"adamw-{step}")
+        impl = {"for-loop": "loop"}.get(step, step)
+        return dataclasses.replace(book, states=tuple(states), setup=dataclasses.replace(book.setup, optimizer_impl=impl))
     kernel = in_backward_kernel or ("foreach" if book.device == "cuda" else "for-loop")
     per_element = {"foreach": 1, "for-loop": 2, "fused": 0}[kernel]
     at_tick: dict[str, list[tuple[int, int]]] = defaultdict(list)  # tick -> (grad bytes, temporary bytes)
     born: dict[str, int] = defaultdict(int)  # update tick -> elements whose moments a first update creates there
     for st in states:
         if st.category == "gradients":
-            numel = st.nbytes // r.grad
-            at_tick[st.created].append((st.nbytes, per_element * numel * r.moment))
+            numel = st.nbytes // r.grad_bytes
+            at_tick[st.created].append((st.nbytes, per_element * numel * r.moment_bytes))
             born[st.created + UPDATE_SUFFIX] += numel
     out = [st for st in states if st.category != "gradients"
            and not (book.first_step and st.category == "optimizer_states" and st.created == "optimizer")]
@@ -133,13 +134,13 @@ def with_optimizer(book: Ledger, step: str, *, in_backward_kernel: str | None = 
                 State(f"in_backward.grad@{step}", "gradients", grad, step, step),
                 State(f"in_backward.temporaries@{step}", "workspace", temp, step, step)]
     if book.first_step:
-        moments = 2 * r.moment + r.master
+        moments = 2 * r.moment_bytes + r.master_bytes
         out += [State(f"optimizer.states@{tick}", "optimizer_states", numel * moments, tick, AFTER) for tick, numel in born.items()]
         first = min(born, key=lambda t: book.ticks.index(t.removesuffix(UPDATE_SUFFIX)))
         out += [dataclasses.replace(st, created=first) for st in states
                 if st.category == "optimizer_states" and st.created == "optimizer" and st.name == "optimizer.step_counters"]
     ticks = [t2 for t in book.ticks for t2 in ((t, t + UPDATE_SUFFIX) if t in at_tick else (t,))]
-    return dataclasses.replace(book, ticks=tuple(ticks), states=tuple(out), optimizer="adamw-in-backward")
+    return dataclasses.replace(book, ticks=tuple(ticks), states=tuple(out), setup=dataclasses.replace(book.setup, in_backward=True))
 
 
 def forward_backward_peak(book: Ledger) -> int:
@@ -153,7 +154,7 @@ def saved_after_forward(book: Ledger) -> int:
     index = {t: k for k, t in enumerate(book.ticks)}
     last = index["loss"]
     return sum(st.nbytes for st in book.states
-               if st.category == "saved" and index.get(st.created, -1) <= last < index.get(st.release, len(book.ticks)))
+               if st.category == "saved" and index.get(st.created, -1) <= last < index.get(st.released_at, len(book.ticks)))
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ def scenario_ledger(config, batch: int, seq: int, *, strategy: str, step: str, o
                                            checkpointing="full" if strategy == "checkpoint" else "none", attention=attention)
     if strategy == "offload":
         if min_bytes is None:
-            min_bytes = batch * seq * book.shape.hidden_size * ledger.recipe(dtype).activation // 4
+            min_bytes = batch * seq * book.shape.hidden_size * ledger.recipe(dtype).activation_bytes // 4
         book = offloaded(book, min_bytes=min_bytes, prefetch_groups=prefetch_groups, exempt_last=exempt_last)
     return book if optimizer == "default" else with_optimizer(book, optimizer)
 
