@@ -15,7 +15,8 @@ from trainmech.ledger import zero
 
 
 def _children_alive() -> list[int]:
-    """Pids of this process's children that still run (zombies are reaped ones' leftovers, not running)."""
+    """Pids of this process's children that still run and were not running before the test (zombies are
+    reaped ones' leftovers; a child an earlier test left, e.g. multiprocessing's resource tracker, is not ours)."""
     me, alive = os.getpid(), []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -26,7 +27,18 @@ def _children_alive() -> list[int]:
                 continue
             if int(fields[1]) == me and fields[0] != "Z":
                 alive.append(int(entry))
-    return alive
+    return [pid for pid in alive if pid not in _BEFORE]
+
+
+_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _children_before():
+    """The children already running when a test starts."""
+    _BEFORE.clear()
+    _BEFORE.update(_children_alive())
+    yield
 
 
 @pytest.fixture(scope="module")
