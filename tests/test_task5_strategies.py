@@ -19,7 +19,7 @@ from trainmech import checkpointing as C
 from trainmech import ledger, measure, scenarios
 from trainmech.errors import TrainmechError
 from trainmech.offload import ActivationOffload, CountingSaveOnCpu, HostArena, OffloadBook, restore_check
-from trainmech.optimizer_in_backward import OptimizerInBackward
+from trainmech.optimizers import OptimizerInBackward
 
 B, T, V, LAYERS = 2, 16, 97, 3
 

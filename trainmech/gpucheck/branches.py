@@ -294,7 +294,7 @@ def check_gates(probe: Probe) -> str:
 
 def check_scenarios(probe: Probe) -> str:
     from trainmech import candidates, scenarios
-    from trainmech.optimizer_in_backward import OptimizerInBackward
+    from trainmech.optimizers import OptimizerInBackward
 
     model = probe.model()
     batch = probe.lm_batch()
