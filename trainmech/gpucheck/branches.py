@@ -465,7 +465,6 @@ NOT_BRANCHES = {
     "execution.choose_jobs": "decides how many notebooks run at once (one in the CUDA mode); nothing runs on CUDA, "
                              "tests/test_runner_faults.py covers both sides on a CPU",
     "runner._provenance": "names run.json's intra-op thread count (CPU kernels pin one); nothing runs on CUDA",
-    "scenarios.with_optimizer": "reads the ledger's device field (a prediction) to pick the in-backward step's kernel; no CUDA call",
 }
 
 # Notebook cells whose CUDA side only a CUDA-mode run executes (the notebook pass runs them).
