@@ -19,7 +19,7 @@ from trainmech import checkpointing as C
 from trainmech import ledger, measure, scenarios
 from trainmech.errors import TrainmechError
 from trainmech.offload import ActivationOffload, CountingSaveOnCpu, HostArena, OffloadBook, restore_check
-from trainmech.optimizer_in_backward import OptimizerInBackward
+from trainmech.optimizers import OptimizerInBackward
 
 B, T, V, LAYERS = 2, 16, 97, 3
 
@@ -309,7 +309,7 @@ def test_offload_equal_counts_bytes_and_keeps_params(model, batch, baseline, pre
 
 
 def test_offload_moves_what_the_ledger_lists_and_its_peak_is_the_ledgers(batch, tensors):
-    """The ledger's offload view (scenarios.offloaded) models the groups, the stash and the prefetch window.
+    """The ledger's offload view (ledger.Ledger.offloaded) models the groups, the stash and the prefetch window.
 
     min_bytes half a hidden state: the ledger lists RoPE's cos and sin as one state, the hooks see two storages,
     so a threshold between their sizes would split them differently (far below min_bytes on the real shapes)."""
@@ -323,8 +323,8 @@ def test_offload_moves_what_the_ledger_lists_and_its_peak_is_the_ledgers(batch, 
         tracked = measure.training_step_memory(model, optimizer, tensors)
     hooks.finish()
     book = ledger.training_state_lifecycle(model.config, B, T, device="cpu")
-    view = scenarios.offloaded(book, min_bytes=HIDDEN // 2, prefetch_groups=1)
-    assert scenarios.offloaded_bytes(book, min_bytes=HIDDEN // 2) == hooks.stats.d2h_bytes
+    view = book.offloaded(HIDDEN // 2, prefetch_groups=1)
+    assert book.offloadable_bytes(HIDDEN // 2) == hooks.stats.d2h_bytes
     assert abs(view.peak_overlap().bytes / tracked.peak_bytes - 1) <= 0.01
     assert view.peak_overlap().phase == tracked.peak_phase
     fetched = [a for a in tracked.allocations if a.born_phase.endswith(":fetch")]
@@ -477,11 +477,8 @@ def test_scenario_matrix_predicts_every_measured_cell(model, tensors):
 
 
 def test_scenario_views_refuse_what_they_do_not_model():
-    book = ledger.training_state_lifecycle("qwen2-tiny", 1, 32)
     with pytest.raises(TrainmechError, match="unknown optimizer step"):
-        scenarios.with_optimizer(book, "adafactor")
-    with pytest.raises(TrainmechError, match="modelled for AdamW"):
-        scenarios.with_optimizer(ledger.training_state_lifecycle("qwen2-tiny", 1, 32, optimizer="sgd"), "foreach")
+        scenarios.scenario_ledger("qwen2-tiny", 1, 32, strategy="baseline", step="first", optimizer="adafactor")
     with pytest.raises(TrainmechError, match="strategy must be one of"):
         scenarios.scenario_ledger("qwen2-tiny", 1, 32, strategy="zero", step="first")
 

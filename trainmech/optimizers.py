@@ -1,18 +1,27 @@
 """AdamW as PyTorch runs it: three implementations of one update, and the update moved into the backward.
 
     opt = optimizers.adamw(model.parameters(), impl="foreach", lr=1e-4)   # "loop" | "foreach" | "fused"
-    opt = optimizers.OptimizerInBackward(model.parameters(), impl="loop", lr=1e-4)
+    opt = optimizers.OptimizerInBackward(model.parameters(), lambda ps: optimizers.adamw(ps, "loop", lr=1e-4))
+    model(**batch).loss.backward()     # every parameter is updated inside the backward
+    opt.step(); opt.zero_grad()        # no-ops: kept so a training loop (or a memory tracker) runs unchanged
+    opt.remove()                       # the hooks go
 
 The three implementations compute the same update and differ in memory: the per-tensor loop (the
 default on CPU) makes the sqrt temporary of one tensor at a time, foreach (the default on CUDA)
-makes it for every parameter at once, fused makes none. `OptimizerInBackward` gives each parameter
-its own AdamW and steps it from a post-accumulate-grad hook, the moment its gradient is complete,
-then frees that gradient: the gradients of the model are never all alive at once, and no update
-phase follows the backward (its `step()` and `zero_grad()` do nothing).
+makes it for every parameter at once, fused makes none.
+
+Optimizer-in-backward is PyTorch's documented recipe: one optimizer per parameter, stepped from a
+hook registered with `Tensor.register_post_accumulate_grad_hook`, which then frees the gradient.
+The whole-update peak of a plain loop sits in `optimizer.step()` when every gradient, both moments
+and the step's temporaries are alive at once; here no moment holds more than one parameter's
+gradient and temporaries. What it gives up: no accumulation over micro-batches (each backward
+updates), no clipping by the global norm, and no skipping a window whose gradients are not finite —
+an update already written cannot be taken back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 
 import torch
@@ -32,38 +41,46 @@ def adamw(params, impl: str = "loop", **kwargs) -> torch.optim.AdamW:
 
 
 class OptimizerInBackward:
-    """One AdamW per parameter, stepped in the parameter's post-accumulate-grad hook, which then frees the gradient.
+    """One optimizer per parameter (`make_optimizer([p])`), each stepped by its parameter's post-accumulate-grad
+    hook, which then frees the gradient.
 
     Use it like an optimizer in a training loop (`step()` and `zero_grad()` are no-ops: the work is
-    done inside `loss.backward()`); `remove()` takes the hooks off. `state` maps each parameter to its
-    AdamW state, as torch.optim does.
+    done inside `loss.backward()`); `remove()` takes the hooks off. `state` and `param_groups` read
+    like torch.optim's; `updates` counts the parameter updates written so far.
     """
 
-    def __init__(self, params, impl: str = "loop", **kwargs):
-        self.params = [p for p in params if p.requires_grad]
-        self.optimizers = {p: adamw([p], impl, **kwargs) for p in self.params}
+    def __init__(self, params: Iterable[torch.nn.Parameter],
+                 make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> None:
+        self.optimizers = {p: make_optimizer([p]) for p in params if p.requires_grad}
+        self.handles = [p.register_post_accumulate_grad_hook(self._step) for p in self.optimizers]
+        self.updates = 0
         self._tracker = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._update) for p in self.params]
 
-    def _update(self, param: torch.Tensor) -> None:
+    def _step(self, p: torch.nn.Parameter) -> None:
         tracker = self._tracker
-        if tracker is not None:  # trainmech.measure: the gradient is a gradient, the temporaries workspace
-            tracker.tag([param.grad], "gradients")
+        if tracker is not None:  # trainmech.measure: the gradient is a gradient, the step's temporaries workspace
+            tracker.tag([p.grad], "gradients")
         with tracker.tagging("workspace") if tracker is not None else nullcontext():
-            self.optimizers[param].step()
+            self.optimizers[p].step()
         if tracker is not None:
-            tracker.tag([t for t in self.optimizers[param].state[param].values() if isinstance(t, torch.Tensor)], "optimizer_states")
-        param.grad = None  # the update has consumed it: free it now, not at zero_grad
+            tracker.tag([t for t in self.optimizers[p].state[p].values() if isinstance(t, torch.Tensor)], "optimizer_states")
+        p.grad = None  # the gradient has served its only reader: free it now, not at zero_grad
+        self.updates += 1
 
+    # the surface of torch.optim.Optimizer a training loop, a scheduler or a memory tracker reads
     @property
     def state(self) -> dict:
         return {p: opt.state[p] for p, opt in self.optimizers.items() if p in opt.state}
 
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
     def step(self) -> None:
-        """Nothing left to do: every parameter was updated during the backward."""
+        """Nothing left to do: each parameter was updated in the backward."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to free: each gradient was freed right after its update."""
+        """Nothing left to free: each gradient was freed in the backward."""
 
     def watch(self, tracker):
         """Let a trainmech.measure.StorageTracker label what the hooks create; returns a handle with remove()."""
@@ -76,5 +93,6 @@ class OptimizerInBackward:
         return _Stop()
 
     def remove(self) -> None:
-        for h in self._handles:
+        for h in self.handles:
             h.remove()
+        self.handles.clear()

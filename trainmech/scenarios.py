@@ -6,9 +6,9 @@ moments yet, on a steady one a foreach step holds every gradient, both moments a
 per parameter at once. These views re-time the states of a `ledger.Ledger` (nothing is
 re-derived) and put the cases side by side:
 
-    offloaded(book, min_bytes=…)          what ActivationOffload does to the saved tensors' device lifetimes
-    with_optimizer(book, "in-backward")   foreach / for-loop / fused step, or the update inside the backward
-    forward_backward_peak(book)           the most bytes alive before the optimizer step
+    book.offloaded(min_bytes)             what ActivationOffload does to the saved tensors' device lifetimes (trainmech.ledger)
+    scenario_ledger(…, optimizer=…)       foreach / for-loop / fused step, or the update inside the backward
+    book.forward_backward_peak()          the most bytes alive before the optimizer step (trainmech.ledger)
     scenario_matrix(config, b, s, …)      strategy × first / steady update × both peaks, as Scenario rows
 
 `measured(step)` reads the same two peaks off a tracked step (trainmech.measure), so each cell can
@@ -20,8 +20,6 @@ scenario matrix itself, these views belong there as Ledger methods.
 
 from __future__ import annotations
 
-import dataclasses
-from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -29,132 +27,14 @@ import torch
 
 from trainmech import ledger, measure
 from trainmech.errors import TrainmechError
-from trainmech.ledger import AFTER, Ledger, State, phase_of
+from trainmech.ledger import Ledger, phase_of
 
 STRATEGIES = ("baseline", "checkpoint", "offload")
 STEPS = ("first", "steady")
-OPTIMIZER_STEPS = ("foreach", "for-loop", "fused", "in-backward")
+# each optimizer step as options of ledger.training_state_lifecycle ("default": the device's own choice)
+OPTIMIZER_STEPS = {"default": {}, "foreach": {"optimizer_impl": "foreach"}, "for-loop": {"optimizer_impl": "loop"},
+                   "fused": {"optimizer_impl": "fused"}, "in-backward": {"optimizer_in_backward": True}}
 UPDATE_TICKS = ("optimizer", "zero_grad")
-UPDATE_SUFFIX = "+update"  # in-backward: the moment after a gradient's node, when its parameter is updated
-
-
-def _first_tick(book: Ledger, phase: str) -> str:
-    return next(t for t in book.ticks if phase_of(t) == phase)
-
-
-def _group(st: State, n_layers: int) -> int:
-    """The layer whose forward packs a saved state: the one whose backward consumes it; after the last: n."""
-    phase = phase_of(st.last_consumed)
-    if phase.startswith("backward.layer."):
-        return int(phase.rsplit(".", 1)[1])
-    return -1 if phase.startswith("backward.embed") else n_layers
-
-
-def offloaded(book: Ledger, *, min_bytes: int, exempt_last: int = 1, prefetch_groups: int = 2, stash_groups: int = 1) -> Ledger:
-    """The ledger after ActivationOffload.for_model (device bytes only; the host copies are not on the device).
-
-    A saved state of ≥ min_bytes that layer j < L - exempt_last packs stays a saved state but lives on
-    the device twice: from its creation until the compute stream waits for its D2H, when layer
-    j + 1 + stash_groups starts (the stash); and from its H2D, issued when the backward reaches layer
-    j + prefetch_groups (at once if that is above the last layer), to its original release. min_bytes is
-    compared with a state's bytes, the hooks compare a storage's: the same wherever the ledger lists one state
-    per storage (RoPE's cos and sin are one state of two storages, far below min_bytes on real shapes).
-    """
-    n = book.shape.num_layers
-    first_backward = next(t for t in book.ticks if t.startswith("backward"))
-    states = []
-    for st in book.states:
-        j = _group(st, n)
-        if st.category != "saved" or st.nbytes < min_bytes or not 0 <= j < n - exempt_last:
-            states.append(st)
-            continue
-        on_device_until = f"forward.layer.{min(j + stash_groups, n - 1)}"
-        back = j + prefetch_groups
-        fetched_at = _first_tick(book, f"backward.layer.{back}") if back < n else first_backward
-        states.append(dataclasses.replace(st, name=st.name + " (until its D2H is waited for)",
-                                          last_consumed=on_device_until, released_at=on_device_until))
-        states.append(State(st.name + " (fetched back)", "saved", st.nbytes, fetched_at, st.last_consumed, st.released_at))
-    return dataclasses.replace(book, states=tuple(states))
-
-
-def offloaded_bytes(book: Ledger, *, min_bytes: int, exempt_last: int = 1) -> int:
-    """Bytes ActivationOffload moves each way in one step: the saved states `offloaded` re-times."""
-    n = book.shape.num_layers
-    return sum(st.nbytes for st in book.states
-               if st.category == "saved" and st.nbytes >= min_bytes and 0 <= _group(st, n) < n - exempt_last)
-
-
-def _per_tensor_temporary(numels: list[int], kernel: str) -> int:
-    """Elements of the AdamW step's temporaries alive at once (denom = sqrt(v) / bias correction)."""
-    if kernel == "foreach":
-        return sum(numels)  # one sqrt per tensor, all at once
-    if kernel == "for-loop":  # two per tensor while the previous tensor's denom is still referenced
-        return max(prev + 2 * cur for prev, cur in zip([0, *numels], numels))
-    return 0  # fused: computed in registers
-
-
-def with_optimizer(book: Ledger, step: str, *, in_backward_kernel: str | None = None) -> Ledger:
-    """The ledger with AdamW's step done as `step`: "foreach", "for-loop", "fused", or "in-backward".
-
-    in-backward (optimizer-in-backward): each parameter's gradient is consumed and freed at the tick
-    it is completed, by a step of its own. That step gets a tick of its own right after (`<tick>+update`):
-    the node that made the gradient has released what it consumed by then, and the step's temporaries
-    (`in_backward_kernel`: the device's default, for-loop on a CPU, foreach on CUDA) live only there.
-    One parameter at a time, so a tick holds the largest gradient (+ temporaries) of its parameters, not
-    their sum. On a first update the moments are created there too. The optimizer tick holds nothing.
-    """
-    if step not in OPTIMIZER_STEPS:
-        raise TrainmechError(f"unknown optimizer step {step!r}; valid: {', '.join(OPTIMIZER_STEPS)}")
-    if book.optimizer != "adamw":
-        raise TrainmechError(f"optimizer steps are modelled for AdamW, not {book.optimizer!r}")
-    r = ledger.recipe(book.recipe)
-    numels = [numel for _, numel in book.shape.parameter_tensors()]
-    states = [st for st in book.states if st.name != "optimizer.sqrt_temporaries"]
-    if step != "in-backward":
-        temp = _per_tensor_temporary(numels, step) * r.moment_bytes
-        if temp:
-            states.append(State("optimizer.sqrt_temporaries", "workspace", temp, "optimizer", "optimizer"))
-        impl = {"for-loop": "loop"}.get(step, step)
-        return dataclasses.replace(book, states=tuple(states), setup=dataclasses.replace(book.setup, optimizer_impl=impl))
-    kernel = in_backward_kernel or ("foreach" if book.device == "cuda" else "for-loop")
-    per_element = {"foreach": 1, "for-loop": 2, "fused": 0}[kernel]
-    at_tick: dict[str, list[tuple[int, int]]] = defaultdict(list)  # tick -> (grad bytes, temporary bytes)
-    born: dict[str, int] = defaultdict(int)  # update tick -> elements whose moments a first update creates there
-    for st in states:
-        if st.category == "gradients":
-            numel = st.nbytes // r.grad_bytes
-            at_tick[st.created].append((st.nbytes, per_element * numel * r.moment_bytes))
-            born[st.created + UPDATE_SUFFIX] += numel
-    out = [st for st in states if st.category != "gradients"
-           and not (book.first_step and st.category == "optimizer_states" and st.created == "optimizer")]
-    for tick, items in at_tick.items():  # the node that made a gradient has released what it consumed before its step
-        step = tick + UPDATE_SUFFIX
-        grad, temp = max(items, key=sum)
-        out += [State(f"in_backward.grad@{tick}", "gradients", max(g for g, _ in items), tick, tick),
-                State(f"in_backward.grad@{step}", "gradients", grad, step, step),
-                State(f"in_backward.temporaries@{step}", "workspace", temp, step, step)]
-    if book.first_step:
-        moments = 2 * r.moment_bytes + r.master_bytes
-        out += [State(f"optimizer.states@{tick}", "optimizer_states", numel * moments, tick, AFTER) for tick, numel in born.items()]
-        first = min(born, key=lambda t: book.ticks.index(t.removesuffix(UPDATE_SUFFIX)))
-        out += [dataclasses.replace(st, created=first) for st in states
-                if st.category == "optimizer_states" and st.created == "optimizer" and st.name == "optimizer.step_counters"]
-    ticks = [t2 for t in book.ticks for t2 in ((t, t + UPDATE_SUFFIX) if t in at_tick else (t,))]
-    return dataclasses.replace(book, ticks=tuple(ticks), states=tuple(out), setup=dataclasses.replace(book.setup, in_backward=True))
-
-
-def forward_backward_peak(book: Ledger) -> int:
-    """The most bytes alive at any tick of the forward, the loss and the backward (the update excluded)."""
-    return max(sum(row.values()) for tick, row in book.live() if tick not in UPDATE_TICKS)
-
-
-def saved_after_forward(book: Ledger) -> int:
-    """Saved bytes on the device after the forward's last tick ("loss"): a device copy that an offload lets
-    go at that very tick is not counted."""
-    index = {t: k for k, t in enumerate(book.ticks)}
-    last = index["loss"]
-    return sum(st.nbytes for st in book.states
-               if st.category == "saved" and index.get(st.created, -1) <= last < index.get(st.released_at, len(book.ticks)))
 
 
 @dataclass(frozen=True)
@@ -163,7 +43,7 @@ class Scenario:
 
     strategy: str
     step: str  # "first" | "steady"
-    optimizer: str  # "default" (foreach on CUDA, for-loop on a CPU) or one of OPTIMIZER_STEPS
+    optimizer: str  # one of OPTIMIZER_STEPS; "default": foreach on CUDA, for-loop on a CPU
     forward_backward_bytes: int
     update_bytes: int  # the whole update's peak
     update_tick: str  # where the whole update peaks
@@ -180,13 +60,16 @@ def scenario_ledger(config, batch: int, seq: int, *, strategy: str, step: str, o
     if strategy not in STRATEGIES or step not in STEPS:
         raise TrainmechError(f"strategy must be one of {', '.join(STRATEGIES)} and step one of {', '.join(STEPS)}, "
                              f"got {strategy!r}, {step!r}")
+    if optimizer not in OPTIMIZER_STEPS:
+        raise TrainmechError(f"unknown optimizer step {optimizer!r}; valid: {', '.join(OPTIMIZER_STEPS)}")
     book = ledger.training_state_lifecycle(config, batch, seq, dtype=dtype, device=device, first_step=step == "first",
-                                           checkpointing="full" if strategy == "checkpoint" else "none", attention=attention)
+                                           checkpointing="full" if strategy == "checkpoint" else "none", attention=attention,
+                                           **OPTIMIZER_STEPS[optimizer])
     if strategy == "offload":
         if min_bytes is None:
             min_bytes = batch * seq * book.shape.hidden_size * ledger.recipe(dtype).activation_bytes // 4
-        book = offloaded(book, min_bytes=min_bytes, prefetch_groups=prefetch_groups, exempt_last=exempt_last)
-    return book if optimizer == "default" else with_optimizer(book, optimizer)
+        book = book.offloaded(min_bytes, prefetch_groups=prefetch_groups, exempt_last=exempt_last)
+    return book
 
 
 def scenario_matrix(config, batch: int, seq: int, *, strategies=STRATEGIES, steps=STEPS, optimizers=("default",),
@@ -198,7 +81,7 @@ def scenario_matrix(config, batch: int, seq: int, *, strategies=STRATEGIES, step
             for strategy in strategies:
                 book = scenario_ledger(config, batch, seq, strategy=strategy, step=step, optimizer=optimizer, **kwargs)
                 peak = book.peak_overlap()
-                rows.append(Scenario(strategy, step, optimizer, forward_backward_peak(book), peak.bytes, peak.tick))
+                rows.append(Scenario(strategy, step, optimizer, book.forward_backward_peak().bytes, peak.bytes, peak.tick))
     return rows
 
 

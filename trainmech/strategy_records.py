@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainmech import gates, ledger, scenarios
+from trainmech import gates, ledger
 from trainmech.checkpointing import RecomputeCount
 from trainmech.gates import Verdict
 from trainmech.offload import TransferStats
@@ -99,7 +99,7 @@ def ledger_fields(name: str, book: ledger.Ledger, step, baseline_step, baseline_
                     "measured_peak_bytes": measured.measured_peak, "measured_peak_phase": step.peak_phase,
                     "peak_error": measured.error, "baseline_measured_peak_bytes": base.measured_peak,
                     "peak_change": measured.measured_peak / base.measured_peak - 1,
-                    "predicted_forward_backward_bytes": scenarios.forward_backward_peak(book),
+                    "predicted_forward_backward_bytes": book.forward_backward_peak().bytes,
                     "predicted_by_category": pred.by_category, "measured_by_category": step.by_category(),
                     "checkpointing": book.checkpointing, "min_bytes": min_bytes, "strategy": name,
                     "measured_with": "torch.cuda.max_memory_allocated minus what lay outside the step (Task4)" if on_gpu

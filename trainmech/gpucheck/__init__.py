@@ -90,8 +90,7 @@ def _offload_bytes() -> int:
     model, batch, seq = FULL_SHAPE
     book = ledger.training_state_lifecycle(model, batch, seq, dtype="fp32", device="cuda")
     min_bytes = batch * seq * book.shape.hidden_size * 4 // 4
-    return sum(st.nbytes for st in book.states
-               if st.category == "saved" and st.nbytes >= min_bytes and st.last_consumed.startswith("backward"))
+    return book.offloadable_bytes(min_bytes)
 
 
 # ----------------------------------------------------------------------------- running

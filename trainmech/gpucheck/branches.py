@@ -294,7 +294,7 @@ def check_gates(probe: Probe) -> str:
 
 def check_scenarios(probe: Probe) -> str:
     from trainmech import candidates, scenarios
-    from trainmech.optimizer_in_backward import OptimizerInBackward
+    from trainmech.optimizers import OptimizerInBackward
 
     model = probe.model()
     batch = probe.lm_batch()
@@ -465,7 +465,6 @@ NOT_BRANCHES = {
     "execution.choose_jobs": "decides how many notebooks run at once (one in the CUDA mode); nothing runs on CUDA, "
                              "tests/test_runner_faults.py covers both sides on a CPU",
     "runner._provenance": "names run.json's intra-op thread count (CPU kernels pin one); nothing runs on CUDA",
-    "scenarios.with_optimizer": "reads the ledger's device field (a prediction) to pick the in-backward step's kernel; no CUDA call",
 }
 
 # Notebook cells whose CUDA side only a CUDA-mode run executes (the notebook pass runs them).

@@ -4,7 +4,7 @@
     book.peak_overlap()           # the tick and phase of the peak, its bytes, its composition by category
     book.forward_backward_peak()  # the peak before the update (what checkpointing and offload act on)
     book.states                   # every State: category, bytes, created / last consumed / released_at tick
-    book.offloaded(min_bytes)     # the same step with activation offload
+    book.offloaded(min_bytes)     # the same step with activation offload (ActivationOffload's groups, stash, prefetch)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from trainmech.errors import TrainmechError
 from trainmech.ledger.categories import CATEGORIES
-from trainmech.ledger.clock import AFTER, BEFORE, State, is_forward_or_backward, phase_of, ticks
+from trainmech.ledger.clock import AFTER, BEFORE, UPDATE_SUFFIX, State, is_forward_or_backward, phase_of, ticks
 from trainmech.ledger.inventory import DEVICES, attention_kernel
 from trainmech.ledger.recipes import recipe
 from trainmech.ledger.shape import ModelShape, model_shape
@@ -119,31 +119,41 @@ class Ledger:
                 out[key] = out.get(key, 0) + st.nbytes
         return out
 
-    def offloaded(self, min_bytes: int) -> Ledger:
-        """The same step under activation offload (device bytes only).
+    def offloaded(self, min_bytes: int = 1 << 20, *, exempt_last: int = 1, prefetch_groups: int = 2,
+                  stash_groups: int = 1) -> Ledger:
+        """The same step under `trainmech.offload.ActivationOffload.for_model` (device bytes only; the host
+        copies are not on the device); the keyword defaults are the harness's.
 
-        A saved state of at least min_bytes that the backward reads stays saved, but lives on the device
-        only through the tick that creates it (then device-to-host) and again from the first tick of the
-        backward phase that consumes it (host-to-device). A prefetch window would fetch earlier.
+        A saved state of ≥ min_bytes that layer j < L - exempt_last packs stays a saved state but lives on
+        the device twice: from its creation until the compute stream waits for its D2H, when layer
+        j + 1 + stash_groups starts (the stash); and from its H2D, issued when the backward reaches layer
+        j + prefetch_groups (at once if that is above the last layer), to its original release. min_bytes is
+        compared with a state's bytes, the hooks compare a storage's: the same wherever the ledger lists one
+        state per storage (RoPE's cos and sin are one state of two storages, far below min_bytes on real shapes).
         """
-        first_tick: dict[str, str] = {}
-        for tick in self.ticks:
-            first_tick.setdefault(phase_of(tick), tick)
+        n = self.shape.num_layers
+        first_backward = next(t for t in self.ticks if t.startswith("backward"))
         states = []
         for st in self.states:
-            if st.category != "saved" or st.nbytes < min_bytes or not st.last_consumed.startswith("backward"):
+            if not self._offloads(st, min_bytes, exempt_last):
                 states.append(st)
                 continue
-            states.append(dataclasses.replace(st, name=st.name + " (on device until D2H)", last_consumed=st.created,
-                                              released_at=st.created))
-            states.append(State(st.name + " (fetched back)", "saved", st.nbytes, first_tick[phase_of(st.last_consumed)],
-                                st.last_consumed, st.released_at))
+            j = _packing_layer(st, n)
+            on_device_until = f"forward.layer.{min(j + stash_groups, n - 1)}"
+            back = j + prefetch_groups
+            fetched_at = next(t for t in self.ticks if phase_of(t) == f"backward.layer.{back}") if back < n else first_backward
+            states.append(dataclasses.replace(st, name=st.name + " (until its D2H is waited for)",
+                                              last_consumed=on_device_until, released_at=on_device_until))
+            states.append(State(st.name + " (fetched back)", "saved", st.nbytes, fetched_at, st.last_consumed, st.released_at))
         return dataclasses.replace(self, states=tuple(states))
 
-    def offloadable_bytes(self, min_bytes: int) -> int:
-        """Bytes `offloaded(min_bytes)` moves each way."""
-        return sum(st.nbytes for st in self.states
-                   if st.category == "saved" and st.nbytes >= min_bytes and st.last_consumed.startswith("backward"))
+    def offloadable_bytes(self, min_bytes: int = 1 << 20, *, exempt_last: int = 1) -> int:
+        """Bytes `offloaded(min_bytes, exempt_last=…)` moves each way in one step."""
+        return sum(st.nbytes for st in self.states if self._offloads(st, min_bytes, exempt_last))
+
+    def _offloads(self, st: State, min_bytes: int, exempt_last: int) -> bool:
+        n = self.shape.num_layers
+        return st.category == "saved" and st.nbytes >= min_bytes and 0 <= _packing_layer(st, n) < n - exempt_last
 
     def lifecycle_rows(self) -> list[tuple[str, str, int, str, str, str]]:
         """(label, category, bytes, created, last consumed, released): states grouped by category and phases.
@@ -180,6 +190,15 @@ class Ledger:
             "state_bytes": self.state_bytes(),
             "phases": [{"phase": p, "bytes": v} for p, v in self.by_phase().items()],
         }
+
+
+def _packing_layer(st: State, n_layers: int) -> int:
+    """The layer whose forward packs a saved state: the one whose backward consumes it; -1 for the embedding,
+    n_layers after the last layer (the head and the loss)."""
+    phase = phase_of(st.last_consumed)
+    if phase.startswith("backward.layer."):
+        return int(phase.rsplit(".", 1)[1])
+    return -1 if phase.startswith("backward.embed") else n_layers
 
 
 def _check_size(name: str, value: Any) -> int:
@@ -232,4 +251,6 @@ def training_state_lifecycle(config: Any, batch: int, seq: int, *, dtype: str = 
     kernel = attention_kernel(shape, dtype, device, attention, padded=padded)
     setup = Setup(shape, b, s, dtype, optimizer, impl, bool(optimizer_in_backward), checkpointing, device, kernel, bool(padded),
                   bool(first_step), index, k, bool(set_to_none), bool(gradient_buffers))
-    return Ledger(setup, tuple(ticks(shape.num_layers, checkpointing, setup.in_backward)), tuple(step_states(setup)))
+    states = step_states(setup)
+    updated = {st.created.removesuffix(UPDATE_SUFFIX) for st in states if st.created.endswith(UPDATE_SUFFIX)}
+    return Ledger(setup, tuple(ticks(shape.num_layers, checkpointing, updated)), tuple(states))

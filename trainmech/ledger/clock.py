@@ -13,17 +13,19 @@ from dataclasses import dataclass
 
 LAYER_BACKWARD_MOMENTS = ("down_proj", "mlp", "attention", "input_layernorm")
 BEFORE, AFTER = "before", "after"  # a state alive before the step starts / still alive after it ends
+UPDATE_SUFFIX = "+update"  # optimizer-in-backward: the moment after a gradient's tick, when its parameter is updated
 
 
-def ticks(n_layers: int, checkpointing: str = "none", in_backward: bool = False) -> list[str]:
-    """The moments of one step, in order. in_backward: the embedding's own update, after its gradient is summed."""
+def ticks(n_layers: int, checkpointing: str = "none", updated=()) -> list[str]:
+    """The moments of one step, in order. updated: ticks followed by an in-backward update (`<tick>+update`)."""
     out = ["forward.embed", *(f"forward.layer.{i}" for i in range(n_layers)), "forward.head:norm", "forward.head:lm_head", "loss",
            "backward.loss:nll", "backward.loss:log_softmax", "backward.head:lm_head", "backward.head:norm"]
     for i in reversed(range(n_layers)):
         if checkpointing == "full":
             out.append(f"backward.layer.{i}:recompute")
         out += [f"backward.layer.{i}:{m}" for m in LAYER_BACKWARD_MOMENTS]
-    out += ["backward.embed:lookup", "backward.embed:accumulate"] + (["backward.embed:update"] if in_backward else [])
+    out += ["backward.embed:lookup", "backward.embed:accumulate"]
+    out = [t2 for t in out for t2 in ((t, t + UPDATE_SUFFIX) if t in updated else (t,))]
     return out + ["optimizer", "zero_grad"]
 
 

@@ -90,7 +90,7 @@ def _optimizer(params, impl: str, in_backward: bool):
     from trainmech import optimizers
 
     if in_backward:
-        return optimizers.OptimizerInBackward(params, impl, lr=1e-4)
+        return optimizers.OptimizerInBackward(params, lambda ps: optimizers.adamw(ps, impl, lr=1e-4))
     return optimizers.adamw(params, impl, lr=1e-4)
 
 

@@ -9,9 +9,10 @@ v vocabulary, I intermediate width; element bytes from the dtype recipe.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from trainmech.ledger.clock import AFTER, BEFORE, State
+from trainmech.ledger.clock import AFTER, BEFORE, UPDATE_SUFFIX, State, ticks
 from trainmech.ledger.inventory import SavedTensor, layer_saved, norm_saved
 from trainmech.ledger.recipes import FP32_BYTES, INDEX_BYTES, Recipe, recipe
 from trainmech.ledger.shape import ModelShape
@@ -62,6 +63,9 @@ class Setup:
 
 
 def step_states(setup: Setup) -> list[State]:
+    if setup.in_backward:  # the plain step's states, re-timed by the hooks
+        plain = dataclasses.replace(setup, in_backward=False, set_to_none=True)
+        return _in_backward_states(setup, step_states(plain))
     return [*model_states(setup), *forward_states(setup), *backward_states(setup), *update_states(setup)]
 
 
@@ -149,8 +153,6 @@ def _loss_states(setup: Setup) -> list[State]:
 def _gradient(setup: Setup, name: str, nbytes: int, created: str) -> list[State]:
     """A parameter's gradient written at `created`: the new .grad, or, when .grad already exists, the
     contribution AccumulateGrad adds into it in place (an upstream gradient of that moment)."""
-    if setup.in_backward:  # the hook updates the parameter and frees the gradient at once: see _in_backward_states
-        return []
     born, out = created, []
     if setup.grads_at_start:
         born = BEFORE
@@ -241,8 +243,6 @@ def _state_bytes_per_tensor(setup: Setup) -> tuple[int, int]:
 
 def update_states(setup: Setup) -> list[State]:
     """Optimizer states (created by the first update) and the update's workspace."""
-    if setup.in_backward:
-        return _in_backward_states(setup)
     numels = [numel for _, numel in setup.shape.parameter_tensors()]
     per_element, counters = _state_bytes_per_tensor(setup)
     if not setup.updates and setup.first_step:
@@ -259,29 +259,38 @@ def update_states(setup: Setup) -> list[State]:
     return out
 
 
-def _in_backward_states(setup: Setup) -> list[State]:
-    """Optimizer-in-backward: each parameter's update runs in its post-accumulate-grad hook and frees its
-    gradient at once, so at any moment one gradient and one update's temporaries are alive, not all."""
-    shape, grad_bytes = setup.shape, setup.dtypes.grad_bytes
-    per_element, counters = _state_bytes_per_tensor(setup)
-    moment_of = {"lm_head.weight": "backward.head:lm_head", "model.norm.weight": "backward.head:norm",
-                 "model.embed_tokens.weight": "backward.embed:update"}  # after the tied contributions are summed
-    for i in range(shape.num_layers):
-        for moment, modules in GRADS_AT.items():
-            for module in modules:
-                for suffix in (".weight", ".bias"):
-                    moment_of[f"model.layers.{i}.{module}{suffix}"] = f"backward.layer.{i}:{moment}"
-    by_moment: dict[str, list[int]] = {}
-    for name, numel in shape.parameter_tensors():
-        by_moment.setdefault(moment_of[name], []).append(numel)
-    out = []
-    for moment, numels in by_moment.items():
-        born = moment if setup.first_step else BEFORE
-        if per_element:
-            out.append(State(f"optimizer.states@{moment}", "optimizer_states", sum(numels) * per_element + counters * len(numels), born, AFTER))
-        # the hooks run one parameter at a time: the largest gradient + its update's temporaries at once
-        grad, temp = max((numel * grad_bytes, _step_temporary(setup, [numel])) for numel in numels)
-        out.append(State(f"grad_in_hook@{moment}", "gradients", grad, moment, moment))
+def _in_backward_states(setup: Setup, plain: list[State]) -> list[State]:
+    """Optimizer-in-backward, from the plain step's states: each parameter's gradient is consumed and freed
+    by a step of its own in its post-accumulate-grad hook, so no moment holds more than one gradient and one
+    update's temporaries.
+
+    The step gets a tick of its own right after the tick that completes the gradient (`<tick>+update`):
+    the node that made the gradient has released what it consumed by then, and the step's temporaries
+    live only there. One parameter at a time, so a tick holds the largest gradient (+ temporaries) of its
+    parameters, not their sum. On a first update the optimizer states are created there too; the
+    optimizer tick holds nothing.
+    """
+    grad_bytes = setup.dtypes.grad_bytes
+    per_element, _ = _state_bytes_per_tensor(setup)
+    at_tick: dict[str, list[tuple[int, int]]] = {}  # tick -> (gradient bytes, its update's temporary bytes)
+    born: dict[str, int] = {}  # update tick -> elements whose optimizer states a first update creates there
+    for st in plain:
+        if st.category == "gradients":
+            numel = st.nbytes // grad_bytes
+            at_tick.setdefault(st.created, []).append((st.nbytes, _step_temporary(setup, [numel])))
+            born[st.created + UPDATE_SUFFIX] = born.get(st.created + UPDATE_SUFFIX, 0) + numel
+    created_by_update = lambda st: setup.first_step and st.category == "optimizer_states" and st.created == "optimizer"  # noqa: E731
+    out = [st for st in plain if st.category != "gradients" and st.name != "optimizer.sqrt_temporaries" and not created_by_update(st)]
+    for tick, items in at_tick.items():
+        update = tick + UPDATE_SUFFIX
+        grad, temp = max(items, key=sum)
+        out += [State(f"grad_in_hook@{tick}", "gradients", max(g for g, _ in items), tick, tick),
+                State(f"grad_in_hook@{update}", "gradients", grad, update, update)]
         if temp:
-            out.append(State(f"optimizer.sqrt_temporaries@{moment}", "workspace", temp, moment, moment))
+            out.append(State(f"optimizer.sqrt_temporaries@{update}", "workspace", temp, update, update))
+    if setup.first_step and per_element:
+        out += [State(f"optimizer.states@{tick}", "optimizer_states", numel * per_element, tick, AFTER) for tick, numel in born.items()]
+        order = ticks(setup.shape.num_layers, setup.checkpointing)
+        first = min(born, key=lambda t: order.index(t.removesuffix(UPDATE_SUFFIX)))
+        out += [dataclasses.replace(st, created=first) for st in plain if created_by_update(st) and st.name == "optimizer.step_counters"]
     return out
