@@ -18,6 +18,8 @@ from trainmech.errors import TrainmechError
 from trainmech.gpucheck import branches, budget, bundle, limits, scan
 from trainmech.gpucheck import main as gpu_check
 
+pytestmark = pytest.mark.package
+
 CPU = torch.device("cpu")
 
 

@@ -6,6 +6,8 @@ import torch
 
 from trainmech import graph, plots
 
+pytestmark = pytest.mark.task1
+
 
 def _residual():
     """x used twice (residual Add and the branch's Mv); W once; c needs no grad."""

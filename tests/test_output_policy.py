@@ -22,6 +22,8 @@ import torch
 from trainmech import checks, portability
 from trainmech.checks import ClaimFailed
 
+pytestmark = pytest.mark.package
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("Task*.ipynb"))
 

@@ -10,6 +10,8 @@ import pytest
 from trainmech import results
 from trainmech.errors import TrainmechError
 
+pytestmark = pytest.mark.package
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -13,6 +13,8 @@ from trainmech import profiles, supervision, workload
 from trainmech.errors import TrainmechError
 from trainmech.workload import IGNORE_INDEX
 
+pytestmark = pytest.mark.task3
+
 VOCAB = 11
 
 

@@ -22,6 +22,8 @@ import torch
 
 from trainmech import amp, candidates, checkpointing, gates, profiles, results, supervision, tracing, update, workload
 
+pytestmark = pytest.mark.task6
+
 ATTEMPTS, INJECT_AT, LR = 8, (2,), 3e-3
 
 

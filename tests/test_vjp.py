@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from trainmech import vjp
 from trainmech.checks import close
 
+pytestmark = pytest.mark.task2
+
 RTOL = 1e-10
 FAST = settings(max_examples=25, deadline=None)
 

@@ -36,6 +36,8 @@ from hypothesis import strategies as st
 from trainmech import saved_state, vjp
 from trainmech.checks import rel_error
 
+pytestmark = pytest.mark.task2
+
 FAST = settings(max_examples=40, deadline=None)
 RTOL = {torch.float32: 32 * torch.finfo(torch.float32).eps, torch.bfloat16: 16 * torch.finfo(torch.bfloat16).eps}
 

@@ -22,6 +22,8 @@ from trainmech import vjp
 from trainmech import vjp_qwen2 as q2
 from trainmech.checks import close
 
+pytestmark = pytest.mark.task2
+
 RTOL64 = 1e-10
 RTOL32 = 1e-4
 B, T, V = 2, 12, 97

@@ -16,6 +16,8 @@ from trainmech import profiles, workload
 from trainmech.errors import TrainmechError
 from trainmech.workload import IGNORE_INDEX
 
+pytestmark = pytest.mark.package
+
 
 @pytest.fixture(scope="module")
 def tiny_spec():
