@@ -28,10 +28,10 @@ ATTEMPTS, INJECT_AT, LR = 8, (2,), 3e-3
 
 
 @pytest.fixture(scope="module")
-def gw():
+def gw(tiny_profile_model):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model gains nothing from threads that spin-wait on a shared machine
-    built = workload.build_model(profiles.load("TRAIN-CPU").model("qwen2-tiny"), seed=0)
+    built = tiny_profile_model(seed=0)
     yield candidates.gate_workload(built.model, rows=4, seq=32, micro_batches=2, attempts=ATTEMPTS, inject_at=INJECT_AT,
                                    lr=LR, warmup_updates=2, decay_updates=3, dropout=0.1)
     torch.set_num_threads(threads)
@@ -219,8 +219,8 @@ def test_an_fp16_candidate_whose_loss_scale_starts_too_high_is_calibrated_not_re
     assert verdict.passed and verdict.evidence["loss_scale_halvings"] == hot[True].scale_halvings > 0
 
 
-def test_splitting_or_reordering_a_window_keeps_the_inputs_digest():
-    built = workload.build_model(profiles.load("TRAIN-CPU").model("qwen2-tiny"), seed=0)
+def test_splitting_or_reordering_a_window_keeps_the_inputs_digest(tiny_profile_model):
+    built = tiny_profile_model(seed=0)
     plain = candidates.gate_workload(built.model, rows=4, seq=32, micro_batches=2, attempts=3, inject_at=(), lr=LR)  # no dropout
     ref = tracing.run_trace(candidates.Candidate("ref", "X"), plain)
 

@@ -20,11 +20,6 @@ pytestmark = pytest.mark.package
 
 
 @pytest.fixture(scope="module")
-def tiny_spec():
-    return profiles.load("TRAIN-CPU").model("qwen2-tiny")
-
-
-@pytest.fixture(scope="module")
 def qwen_spec():
     return profiles.load("TRAIN-CUDA-MECHANISM").model()
 
