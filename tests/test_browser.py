@@ -33,6 +33,8 @@ from urllib.parse import urlparse
 
 import pytest
 
+pytestmark = pytest.mark.package
+
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = Path(os.environ.get("TRAINMECH_CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = REPO / "tests" / "artifacts" / "browser"

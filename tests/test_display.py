@@ -9,6 +9,8 @@ from trainmech import display
 from trainmech.checks import ClaimFailed, claim
 from trainmech.errors import TrainmechError
 
+pytestmark = pytest.mark.package
+
 
 def _raised(fn):
     try:

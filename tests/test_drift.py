@@ -9,6 +9,8 @@ import pytest
 
 from trainmech import drift
 
+pytestmark = pytest.mark.package
+
 REFERENCE = drift.REFERENCE_DIR
 
 

@@ -24,6 +24,8 @@ from trainmech import solutions as S
 from trainmech.checks import ClaimFailed
 from trainmech.errors import TrainmechError
 
+pytestmark = pytest.mark.package
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -338,7 +340,13 @@ def test_every_exercise_has_a_solution_and_wrong_answers():
     assert set(S.SOLUTIONS) == set(exercises.EXERCISES) == set(WRONG)
 
 
-@pytest.mark.parametrize("exercise_id", list(S.SOLUTIONS))
+def by_task(exercise_id: str, *values, id: str | None = None):
+    """One parameter set carrying its Task's marker (`task3.streaming_window` -> task3), so that
+    `pytest -m task3` also runs Task3's exercise checks."""
+    return pytest.param(exercise_id, *values, id=id, marks=getattr(pytest.mark, exercise_id.split(".")[0]))
+
+
+@pytest.mark.parametrize("exercise_id", [by_task(k) for k in S.SOLUTIONS])
 def test_reference_solution_passes(exercise_id):
     result, text = run_check(exercise_id, S.SOLUTIONS[exercise_id])
     assert result is exercises.PASSED and result, text
@@ -349,7 +357,7 @@ def _stub(*args, **kwargs):
     raise NotImplementedError("练习：在这里写你的实现")
 
 
-@pytest.mark.parametrize("exercise_id", list(exercises.EXERCISES))
+@pytest.mark.parametrize("exercise_id", [by_task(k) for k in exercises.EXERCISES])
 def test_unfilled_stub_is_not_attempted(exercise_id):
     result, text = run_check(exercise_id, _stub)
     assert result is None
@@ -358,8 +366,7 @@ def test_unfilled_stub_is_not_attempted(exercise_id):
 
 
 @pytest.mark.parametrize("exercise_id,fn,fragment",
-                         [(k, fn, frag) for k, items in WRONG.items() for fn, frag in items],
-                         ids=[f"{k}-{fn.__name__}" for k, items in WRONG.items() for fn, _ in items])
+                         [by_task(k, fn, frag, id=f"{k}-{fn.__name__}") for k, items in WRONG.items() for fn, frag in items])
 def test_wrong_answer_is_rejected_with_a_diagnosis(exercise_id, fn, fragment):
     result, text = run_check(exercise_id, fn)
     assert isinstance(result, ClaimFailed), text

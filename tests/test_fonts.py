@@ -12,6 +12,8 @@ import pytest
 
 from trainmech import fonts, plots
 
+pytestmark = pytest.mark.package
+
 
 @pytest.fixture(autouse=True)
 def _restore_fonts():

@@ -10,6 +10,8 @@ import pytest
 from trainmech import glossary
 from trainmech.glossary import TERMS, Finding, lint_paths, main, render_markdown, term
 
+pytestmark = pytest.mark.package
+
 REPO = Path(__file__).resolve().parent.parent
 
 

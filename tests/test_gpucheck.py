@@ -18,6 +18,8 @@ from trainmech.errors import TrainmechError
 from trainmech.gpucheck import branches, budget, bundle, limits, scan
 from trainmech.gpucheck import main as gpu_check
 
+pytestmark = pytest.mark.package
+
 CPU = torch.device("cpu")
 
 
@@ -122,10 +124,9 @@ def test_allocator_window_refuses_in_one_sentence(source, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_step_memory_with_the_cpu_allocator_forced_runs_the_cuda_bookkeeping():
+def test_step_memory_with_the_cpu_allocator_forced_runs_the_cuda_bookkeeping(tiny_profile_model):
     """step_peak_allocated_bytes (the allocator's view, as on CUDA) equals the tracked tensor peak."""
-    spec = profiles.for_mode("cpu").model("qwen2-tiny")
-    model = workload.build_model(spec, seed=0).model
+    model = tiny_profile_model(seed=0).model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = workload.lm_batch("domain", 2, 32)
     for _ in ("first", "steady"):

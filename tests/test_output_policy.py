@@ -22,6 +22,8 @@ import torch
 from trainmech import checks, portability
 from trainmech.checks import ClaimFailed
 
+pytestmark = pytest.mark.package
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("Task*.ipynb"))
 
@@ -48,6 +50,20 @@ def test_close_prints_the_verdict_not_the_noise(capsys):
     assert math.isclose(diff, 1e-9, rel_tol=1e-6)  # the raw value comes back, for the record
     with pytest.raises(ClaimFailed, match="相对误差 2.50e-04 超过容限 1e-06"):
         checks.close("x", ref + 1e-3, ref, rtol=1e-6)
+
+
+def test_close_fails_loudly_on_an_error_a_nan_and_a_shape_mismatch(capsys):
+    ref = torch.tensor([1.0, -2.0, 4.0], dtype=torch.float64)
+    diff = checks.close("demo.ok", ref + 1e-14, ref, rtol=1e-10)
+    assert diff == pytest.approx(1e-14, rel=1e-2)
+    assert capsys.readouterr().out.split() == ["demo.ok", "rel", "≤", "1e-10", "✓"]  # the noise itself: returned, not printed
+    with pytest.raises(ClaimFailed, match="demo.bad：相对误差 1.00e-03 超过容限 1e-10"):
+        checks.close("demo.bad", ref * 1.001, ref, rtol=1e-10)
+    assert capsys.readouterr().out.split() == ["demo.bad", "rel", "=", "1.0e-03", ">", "1e-10", "✗"]
+    with pytest.raises(ClaimFailed, match="demo.nan：相对误差 nan"):  # a NaN never passes
+        checks.close("demo.nan", ref * float("nan"), ref, rtol=1e-10)
+    with pytest.raises(ClaimFailed, match=r"形状不同：\(2,\) 对 \(3,\)"):
+        checks.close("demo.shape", ref[:2], ref, rtol=1e-10)
 
 
 @pytest.mark.parametrize("fn, value, limit, holds", [

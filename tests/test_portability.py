@@ -11,6 +11,8 @@ import pytest
 
 from trainmech import drift, portability
 
+pytestmark = pytest.mark.package
+
 
 def _notebook(*outputs_per_cell):
     nb = nbformat.v4.new_notebook()

@@ -10,6 +10,8 @@ import torch
 from trainmech import profiles, results, workload
 from trainmech.errors import TrainmechError
 
+pytestmark = pytest.mark.package
+
 QWEN_COMMIT = "060db6499f32faf8b98477b0a26969ef7d8b9987"
 QWEN_SHA256 = "88c142557820ccad55bb59756bfcfcf891de9cc6202816bd346445188a0ed342"
 QWEN_PARAMS = 494_032_768

@@ -27,6 +27,8 @@ import pytest
 
 from trainmech.glossary import lint_paths
 
+pytestmark = pytest.mark.package
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 REFERENCE = NOTEBOOKS / "reference"

@@ -1,14 +1,20 @@
 """Result records (trainmech.results): the model, the atomic writer, the reader, the registry."""
 from __future__ import annotations
 
+import io
 import json
 import os
+import random
+import typing
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 
 from trainmech import results
 from trainmech.errors import TrainmechError
+
+pytestmark = pytest.mark.package
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -382,8 +388,97 @@ def test_registry_keeps_records_of_experiments_outside_the_registry():
 
 
 def test_evidence_levels_are_ordered_weakest_first():
-    assert results.EVIDENCE_LEVELS == ("cpu-mechanism", "not-measured", "gpu-measured")
+    """The registry cell names the strongest level among an experiment's records: for every pair of
+    levels, the later one in EVIDENCE_LEVELS wins, whatever the order of the records; a record's
+    level can only be one of them; and the ends are ARCHITECTURE.md's (CPU mechanism only, GPU measured)."""
+    levels = results.EVIDENCE_LEVELS
+    assert set(levels) == set(typing.get_args(results.Evidence))
+    assert (levels[0], levels[-1]) == ("cpu-mechanism", "gpu-measured")
+    for i, weaker in enumerate(levels):
+        for stronger in levels[i + 1:]:
+            pair = [rec("TRAIN-CHECKPOINT", "cpu-b2s128", evidence_level=weaker),
+                    rec("TRAIN-CHECKPOINT", "b2s512_default2", evidence_level=stronger)]
+            for records in (pair, pair[::-1]):
+                assert results.evidence_status(records) == f"{stronger} (b2s512_default2, cpu-b2s128)", (weaker, stronger)
     assert results.evidence_status([]) == "no record"
+
+
+# ---------------------------------------------------------------- registry: Task6's gate and memory-strategy records
+
+
+def gate_record(semantic_id, workload_id, level="cpu-mechanism", decision=None, failure=None, label="unit") -> results.Record:
+    gpu = level == "gpu-measured"  # GPU evidence comes from a GPU
+    return results.validate({
+        "identity": {"semantic_id": semantic_id, "workload_id": workload_id, "run_label": label, "page": "Task6",
+                     "notebook": "Task6_gates_evidence", "candidate": workload_id.split(".")[-1]},
+        "workload": {"model_id": "trainmech/qwen2-tiny", "model_weights": "random-init seed=0", "tokenizer": "t",
+                     "input_shape": [4, 32], "effective_batch": {"sequences": 4, "supervised_tokens": 58}, "dtype": "float32", "seed": 0},
+        "environment": {"profile_id": "TRAIN-CPU", "run_mode": "cpu", "python": "3.11", "torch": "2", "transformers": "5",
+                        "accelerate": None, "cuda": "12.8" if gpu else None, "gpu": "NVIDIA H200" if gpu else None,
+                        "gpu_memory_bytes": 150_000_000_000 if gpu else None, "device": "cuda:0" if gpu else "cpu"},
+        "conclusion": {"evidence_level": level, "decision": decision, "failure": failure},
+        "metrics": {"gates": {"inputs": True, "gradients": True}, "note": "中文"},
+    })
+
+
+GATE_RECORDS = [
+    gate_record("TRAIN-CHECKPOINT", "cpu-gates.checkpoint"),
+    gate_record("TRAIN-CHECKPOINT", "b4s256_gates.checkpoint", "gpu-measured", "accept"),
+    gate_record("TRAIN-OFFLOAD", "b4s256_gates.offload", "gpu-measured", "tune"),
+    gate_record("TRAIN-MEMORY-STRATEGY", "cpu-gates.checkpoint-fp16"),
+    gate_record("TRAIN-MEMORY-STRATEGY", "cpu-gates.checkpoint-offload", failure="gradients gate failed"),
+    gate_record("TRAIN-CORRECTNESS-GATE", "cpu-gates"),
+    gate_record("TRAIN-SOMETHING-NEW", "cpu-gates"),
+]
+
+
+def test_registry_is_byte_identical_when_regenerated_from_the_same_records(tmp_path, monkeypatch):
+    run = tmp_path / "unit"
+    for r in GATE_RECORDS:
+        results.write_record(r, run)
+    first = results.registry_markdown(GATE_RECORDS, "unit").encode("utf-8")
+    for seed in range(5):  # any order in, the same bytes out
+        shuffled = results.read_records(run)
+        random.Random(seed).shuffle(shuffled)
+        assert results.registry_markdown(shuffled, "unit").encode("utf-8") == first
+    before = {p.name: p.read_bytes() for p in results.record_paths(run)}  # a read-write round trip changes no byte
+    for p in results.record_paths(run):
+        results.write_record(results.read_record(p), run)
+    assert {p.name: p.read_bytes() for p in results.record_paths(run)} == before
+
+    from trainmech import __main__ as cli, runner
+
+    monkeypatch.setattr(runner, "RESULTS_ROOT", tmp_path)
+    printed = []
+    for _ in range(2):
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert cli.main(["registry", "--label", "unit"]) == 0
+        printed.append(out.getvalue().encode("utf-8"))
+    assert printed[0] == printed[1] == first
+
+
+def test_registry_rows_for_the_gates_and_the_memory_strategy_interface():
+    md = results.registry_markdown(GATE_RECORDS, "unit")
+    row = {line.split(" / ")[0].lstrip("| "): line for line in md.splitlines() if " / " in line}
+    assert "gpu-measured (b4s256_gates.checkpoint, cpu-gates.checkpoint); decision accept" in row["TRAIN-CHECKPOINT"]
+    assert "Part 02 · 76" in row["TRAIN-MEMORY-STRATEGY"] and "1 failed" in row["TRAIN-MEMORY-STRATEGY"]
+    assert "cpu-mechanism (cpu-gates)" in row["TRAIN-CORRECTNESS-GATE"]
+    assert md.index("TRAIN-MEMORY-STRATEGY") < md.index("TRAIN-SOMETHING-NEW")  # unknown ids after the registry's own
+
+
+def test_runs_with_gpu_evidence_are_found_by_their_records(tmp_path):
+    for label, records in (("cpu-run", GATE_RECORDS[:1]), ("h200-run", GATE_RECORDS[:3])):  # a record's run label is its folder
+        for r in records:
+            results.write_record(r.model_copy(update={"identity": r.identity.model_copy(update={"run_label": label})}),
+                                 tmp_path / label)
+    (tmp_path / "h200-run" / "BROKEN__x.json").write_text("{", encoding="utf-8")  # left out, as the runner does
+    (tmp_path / ".staging-x").mkdir()
+    found = results.runs_with_evidence(tmp_path, "gpu-measured")
+    assert list(found) == ["h200-run"] and len(found["h200-run"]) == 3
+    assert list(results.runs_with_evidence(tmp_path, "cpu-mechanism")) == ["cpu-run", "h200-run"]
+    with pytest.raises(TrainmechError, match="unknown evidence level 'measured'; valid: cpu-mechanism, not-measured, gpu-measured"):
+        results.runs_with_evidence(tmp_path, "measured")
 
 
 # ---------------------------------------------------------------- strict records (issue 13)

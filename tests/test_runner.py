@@ -20,6 +20,8 @@ from runner_notebooks import (
 from trainmech import results, runner
 from trainmech.errors import TrainmechError
 
+pytestmark = pytest.mark.package
+
 
 _RUNS: dict = {}  # one run of each kind per --jobs, shared by the tests of this module
 

@@ -21,6 +21,8 @@ from runner_notebooks import (
 from trainmech import execution, runfolder, runner
 from trainmech.errors import TrainmechError
 
+pytestmark = pytest.mark.package
+
 
 # ---------------------------------------------------------------- refusals before anything is written
 

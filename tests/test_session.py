@@ -9,6 +9,8 @@ import torch
 from trainmech import results, session
 from trainmech.errors import TrainmechError
 
+pytestmark = pytest.mark.package
+
 
 @pytest.fixture(autouse=True)
 def isolated(monkeypatch, tmp_path):

@@ -7,6 +7,8 @@ import torch
 from trainmech import amp, update
 from trainmech.errors import TrainmechError
 
+pytestmark = pytest.mark.task3
+
 CPU = torch.device("cpu")
 
 

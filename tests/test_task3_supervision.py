@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainmech import profiles, supervision, workload
+from trainmech import supervision, workload
 from trainmech.errors import TrainmechError
 from trainmech.workload import IGNORE_INDEX
+
+pytestmark = pytest.mark.task3
 
 VOCAB = 11
 
@@ -184,8 +186,8 @@ def test_accumulate_adds_into_existing_grad():
     assert all(torch.allclose(p.grad, 2 * g) for p, g in zip(model.parameters(), once))
 
 
-def test_real_qwen2_window_matches_its_own_loss_in_fp32():
-    built = workload.build_model(profiles.load("TRAIN-CPU").model("qwen2-tiny"), seed=0)
+def test_real_qwen2_window_matches_its_own_loss_in_fp32(tiny_profile_model):
+    built = tiny_profile_model(seed=0)
     model = built.model
     batch = workload.pad_batch(
         [list(range(5, 21)), list(range(30, 37)), list(range(40, 52)), list(range(60, 66))], supervise_from=[0, 3, 8, 1]

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from trainmech import update
 from trainmech.errors import TrainmechError
 
+pytestmark = pytest.mark.task3
+
 SHAPES = st.sampled_from(update.SCHEDULE_SHAPES)
 
 

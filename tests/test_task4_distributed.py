@@ -13,6 +13,8 @@ from trainmech import distributed, ledger
 from trainmech.errors import TrainmechError
 from trainmech.ledger import zero
 
+pytestmark = pytest.mark.task4
+
 
 def _children_alive() -> list[int]:
     """Pids of this process's children that still run and were not running before the test (zombies are

@@ -10,6 +10,8 @@ import torch
 from trainmech import ledger, measure, profiles, workload
 from trainmech.errors import TrainmechError
 
+pytestmark = pytest.mark.task4
+
 GB = 1e9
 
 # ----------------------------------------------------------------------------- published formulas

@@ -21,6 +21,8 @@ from trainmech.errors import TrainmechError
 from trainmech.offload import ActivationOffload, CountingSaveOnCpu, HostArena, OffloadBook, restore_check
 from trainmech.optimizers import OptimizerInBackward
 
+pytestmark = pytest.mark.task5
+
 B, T, V, LAYERS = 2, 16, 97, 3
 
 

@@ -1,35 +1,36 @@
 """Task6 guard: the correctness gates (trainmech.gates) over candidates (trainmech.candidates) and their traces
-(trainmech.tracing), the noise floor, the decision rules, the regenerated registry.
+(trainmech.tracing), the noise floor, the decision rules. (The registry rendered from the gates'
+records is tested in test_results.py.)
 
 Every planted bug must be stopped by the gate meant for it, with every earlier gate passing and no
 later gate run; the same candidate without the bug must pass every gate. The gate workload has a
 dropout, so a replay that does not restore the RNG state has something to get wrong. The decision
-rules are checked at their boundaries on plain numbers, the gates on small hand-made traces, and the
-registry must come out byte-identical whenever it is rendered again from the same records.
+rules are checked at their boundaries on plain numbers, the gates on small hand-made traces.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
-import random
-from contextlib import contextmanager, redirect_stdout
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 
 import pytest
 import torch
 
-from trainmech import amp, candidates, checkpointing, gates, profiles, results, supervision, tracing, update, workload
+from trainmech import amp, candidates, checkpointing, gates, profiles, supervision, tracing, update, workload
+from trainmech.errors import TrainmechError
+
+pytestmark = pytest.mark.task6
 
 ATTEMPTS, INJECT_AT, LR = 8, (2,), 3e-3
 
 
 @pytest.fixture(scope="module")
-def gw():
+def gw(tiny_profile_model):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model gains nothing from threads that spin-wait on a shared machine
-    built = workload.build_model(profiles.load("TRAIN-CPU").model("qwen2-tiny"), seed=0)
+    built = tiny_profile_model(seed=0)
     yield candidates.gate_workload(built.model, rows=4, seq=32, micro_batches=2, attempts=ATTEMPTS, inject_at=INJECT_AT,
                                    lr=LR, warmup_updates=2, decay_updates=3, dropout=0.1)
     torch.set_num_threads(threads)
@@ -217,8 +218,8 @@ def test_an_fp16_candidate_whose_loss_scale_starts_too_high_is_calibrated_not_re
     assert verdict.passed and verdict.evidence["loss_scale_halvings"] == hot[True].scale_halvings > 0
 
 
-def test_splitting_or_reordering_a_window_keeps_the_inputs_digest():
-    built = workload.build_model(profiles.load("TRAIN-CPU").model("qwen2-tiny"), seed=0)
+def test_splitting_or_reordering_a_window_keeps_the_inputs_digest(tiny_profile_model):
+    built = tiny_profile_model(seed=0)
     plain = candidates.gate_workload(built.model, rows=4, seq=32, micro_batches=2, attempts=3, inject_at=(), lr=LR)  # no dropout
     ref = tracing.run_trace(candidates.Candidate("ref", "X"), plain)
 
@@ -374,86 +375,8 @@ def test_decide_keeps_wrong_and_not_worth_it_apart_and_decides_nothing_from_cpu_
 
 
 def test_a_candidate_refuses_an_unknown_dtype():
-    with pytest.raises(Exception, match="unknown dtype"):
+    with pytest.raises(TrainmechError, match="candidate x: unknown dtype 'float8'; valid: "):
         candidates.Candidate("x", "X", "float8")
-
-
-# ----------------------------------------------------------------------------- the registry
-
-
-def record(semantic_id, workload_id, level="cpu-mechanism", decision=None, failure=None, label="unit") -> results.Record:
-    gpu = level == "gpu-measured"  # GPU evidence comes from a GPU
-    return results.validate({
-        "identity": {"semantic_id": semantic_id, "workload_id": workload_id, "run_label": label, "page": "Task6",
-                     "notebook": "Task6_gates_evidence", "candidate": workload_id.split(".")[-1]},
-        "workload": {"model_id": "trainmech/qwen2-tiny", "model_weights": "random-init seed=0", "tokenizer": "t",
-                     "input_shape": [4, 32], "effective_batch": {"sequences": 4, "supervised_tokens": 58}, "dtype": "float32", "seed": 0},
-        "environment": {"profile_id": "TRAIN-CPU", "run_mode": "cpu", "python": "3.11", "torch": "2", "transformers": "5",
-                        "accelerate": None, "cuda": "12.8" if gpu else None, "gpu": "NVIDIA H200" if gpu else None,
-                        "gpu_memory_bytes": 150_000_000_000 if gpu else None, "device": "cuda:0" if gpu else "cpu"},
-        "conclusion": {"evidence_level": level, "decision": decision, "failure": failure},
-        "metrics": {"gates": {"inputs": True, "gradients": True}, "note": "中文"},
-    })
-
-
-RECORDS = [
-    record("TRAIN-CHECKPOINT", "cpu-gates.checkpoint"),
-    record("TRAIN-CHECKPOINT", "b4s256_gates.checkpoint", "gpu-measured", "accept"),
-    record("TRAIN-OFFLOAD", "b4s256_gates.offload", "gpu-measured", "tune"),
-    record("TRAIN-MEMORY-STRATEGY", "cpu-gates.checkpoint-fp16"),
-    record("TRAIN-MEMORY-STRATEGY", "cpu-gates.checkpoint-offload", failure="gradients gate failed"),
-    record("TRAIN-CORRECTNESS-GATE", "cpu-gates"),
-    record("TRAIN-SOMETHING-NEW", "cpu-gates"),
-]
-
-
-def test_registry_is_byte_identical_when_regenerated_from_the_same_records(tmp_path, monkeypatch):
-    run = tmp_path / "unit"
-    for r in RECORDS:
-        results.write_record(r, run)
-    first = results.registry_markdown(RECORDS, "unit").encode("utf-8")
-    for seed in range(5):  # any order in, the same bytes out
-        shuffled = results.read_records(run)
-        random.Random(seed).shuffle(shuffled)
-        assert results.registry_markdown(shuffled, "unit").encode("utf-8") == first
-    before = {p.name: p.read_bytes() for p in results.record_paths(run)}  # a read-write round trip changes no byte
-    for p in results.record_paths(run):
-        results.write_record(results.read_record(p), run)
-    assert {p.name: p.read_bytes() for p in results.record_paths(run)} == before
-
-    from trainmech import __main__ as cli, runner
-
-    monkeypatch.setattr(runner, "RESULTS_ROOT", tmp_path)
-    printed = []
-    for _ in range(2):
-        out = io.StringIO()
-        with redirect_stdout(out):
-            assert cli.main(["registry", "--label", "unit"]) == 0
-        printed.append(out.getvalue().encode("utf-8"))
-    assert printed[0] == printed[1] == first
-
-
-def test_registry_rows_for_the_gates_and_the_memory_strategy_interface():
-    md = results.registry_markdown(RECORDS, "unit")
-    row = {line.split(" / ")[0].lstrip("| "): line for line in md.splitlines() if " / " in line}
-    assert "gpu-measured (b4s256_gates.checkpoint, cpu-gates.checkpoint); decision accept" in row["TRAIN-CHECKPOINT"]
-    assert "Part 02 · 76" in row["TRAIN-MEMORY-STRATEGY"] and "1 failed" in row["TRAIN-MEMORY-STRATEGY"]
-    assert "cpu-mechanism (cpu-gates)" in row["TRAIN-CORRECTNESS-GATE"]
-    assert md.index("TRAIN-MEMORY-STRATEGY") < md.index("TRAIN-SOMETHING-NEW")  # unknown ids after the registry's own
-
-
-def test_runs_with_gpu_evidence_are_found_by_their_records(tmp_path):
-    for label, records in (("cpu-run", RECORDS[:1]), ("h200-run", RECORDS[:3])):  # a record's run label is its folder
-        for r in records:
-            results.write_record(r.model_copy(update={"identity": r.identity.model_copy(update={"run_label": label})}),
-                                 tmp_path / label)
-    (tmp_path / "h200-run" / "BROKEN__x.json").write_text("{", encoding="utf-8")  # left out, as the runner does
-    (tmp_path / ".staging-x").mkdir()
-    found = results.runs_with_evidence(tmp_path, "gpu-measured")
-    assert list(found) == ["h200-run"] and len(found["h200-run"]) == 3
-    assert list(results.runs_with_evidence(tmp_path, "cpu-mechanism")) == ["cpu-run", "h200-run"]
-    with pytest.raises(Exception, match="unknown evidence level"):
-        results.runs_with_evidence(tmp_path, "measured")
 
 
 def test_the_profiles_carry_the_gate_workload_in_both_modes():

@@ -9,6 +9,8 @@ import pytest
 
 from trainmech import twins
 
+pytestmark = pytest.mark.package
+
 
 def test_every_notebook_has_a_twin_in_step():
     out_of_step = twins.stale()

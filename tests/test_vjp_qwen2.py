@@ -13,41 +13,29 @@ float32 (eps 1.2e-7) but sum in different orders over up to V*B*T terms through 
 leaves ~1e-6 relative; 1e-4 keeps a wide margin while any wrong formula is off by >= 1e-2.
 """
 
+from functools import partial
+
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2 import modeling_qwen2
 
 from trainmech import vjp
 from trainmech import vjp_qwen2 as q2
 from trainmech.checks import close
 
+pytestmark = pytest.mark.task2
+
 RTOL64 = 1e-10
 RTOL32 = 1e-4
-B, T, V = 2, 12, 97
+B, T, V = 2, 12, 97  # V: the vocabulary of conftest's tiny Qwen2
 
 
-def tiny_config(**overrides):
-    kwargs = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, rope_theta=1e6, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, attn_implementation="eager")
-    kwargs.update(overrides)
-    return Qwen2Config(**kwargs)
-
-
-def tiny_model(dtype, **overrides):
-    """A seeded tiny Qwen2ForCausalLM whose norm weights and biases are moved off their init
-    (ones / zeros), so a wrong backward cannot hide behind them."""
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(tiny_config(**overrides)).to(dtype)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-            elif name.endswith(".bias"):
-                p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return model
+@pytest.fixture
+def tiny_model(tiny_qwen2):
+    """Factory (dtype, **config overrides): conftest's seeded tiny Qwen2ForCausalLM (vocabulary V) with
+    its norm weights and biases moved off their init (ones / zeros), so a wrong backward cannot hide
+    behind them."""
+    return partial(tiny_qwen2, off_init=True)
 
 
 def batch():
@@ -79,7 +67,7 @@ def hf_float64():
 # the whole model
 
 
-def test_task2_model_loss_and_every_grad_match_autograd_float64(hf_float64):
+def test_task2_model_loss_and_every_grad_match_autograd_float64(hf_float64, tiny_model):
     model = tiny_model(torch.float64)
     input_ids, labels = batch()
     loss, saved = q2.model_loss_forward(model, input_ids, labels)
@@ -93,7 +81,7 @@ def test_task2_model_loss_and_every_grad_match_autograd_float64(hf_float64):
         close(name, grads[name], ref_grads[name], rtol=RTOL64)
 
 
-def test_task2_model_loss_is_hfs_shifted_loss_float32():
+def test_task2_model_loss_is_hfs_shifted_loss_float32(tiny_model):
     """Our loss is HF's own `labels=` loss (shift by one, ignore -100, mean over valid) on the stock model."""
     model = tiny_model(torch.float32)
     input_ids, labels = batch()
@@ -102,7 +90,7 @@ def test_task2_model_loss_is_hfs_shifted_loss_float32():
     close("loss[f32]", loss, hf_loss, rtol=RTOL32)
 
 
-def test_task2_model_every_grad_matches_stock_hf_float32():
+def test_task2_model_every_grad_matches_stock_hf_float32(tiny_model):
     model = tiny_model(torch.float32)
     input_ids, labels = batch()
     loss, saved = q2.model_loss_forward(model, input_ids, labels)
@@ -113,7 +101,7 @@ def test_task2_model_every_grad_matches_stock_hf_float32():
         close(f"{name}[f32]", grads[name], ref_grads[name], rtol=RTOL32)
 
 
-def test_task2_tied_lm_head_grad_is_the_sum_of_both_uses():
+def test_task2_tied_lm_head_grad_is_the_sum_of_both_uses(tiny_model):
     model = tiny_model(torch.float64)
     names = [name for name, _ in model.named_parameters()]
     assert model.lm_head.weight is model.model.embed_tokens.weight  # one Parameter, two uses
@@ -136,7 +124,7 @@ def test_task2_tied_lm_head_grad_is_the_sum_of_both_uses():
     assert not embedding_use[~reaches].any()
 
 
-def test_task2_untied_model_has_separate_lm_head_grad(hf_float64):
+def test_task2_untied_model_has_separate_lm_head_grad(hf_float64, tiny_model):
     model = tiny_model(torch.float64, tie_word_embeddings=False)
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     input_ids, labels = batch()
@@ -158,7 +146,7 @@ def causal_additive_mask(T, dtype):
 
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, RTOL64), (torch.float32, RTOL32)])
-def test_task2_decoder_layer_matches_hf_layer(request, dtype, rtol):
+def test_task2_decoder_layer_matches_hf_layer(request, dtype, rtol, tiny_model):
     if dtype == torch.float64:
         request.getfixturevalue("hf_float64")
     model = tiny_model(dtype)
@@ -183,7 +171,7 @@ def test_task2_decoder_layer_matches_hf_layer(request, dtype, rtol):
         close(f"layer.{name}{tag}", dparams[name], p.grad, rtol=rtol)
 
 
-def test_task2_rope_cos_sin_match_hf_rotary_embedding_bitwise():
+def test_task2_rope_cos_sin_match_hf_rotary_embedding_bitwise(tiny_model):
     for dtype in (torch.float32, torch.float64):
         model = tiny_model(dtype)
         x = torch.zeros(1, T, 32, dtype=dtype)
@@ -208,7 +196,7 @@ def test_task2_rms_norm_forward_is_qwen2_rmsnorm_bitwise_in_low_precision():
 # what backward consumes; refusals
 
 
-def test_task2_saved_inventory_lists_each_tensor_and_sums_to_saved_bytes():
+def test_task2_saved_inventory_lists_each_tensor_and_sums_to_saved_bytes(tiny_model):
     model = tiny_model(torch.float32)
     input_ids, labels = batch()
     _, saved = q2.model_loss_forward(model, input_ids, labels)
@@ -226,7 +214,7 @@ def test_task2_saved_inventory_lists_each_tensor_and_sums_to_saved_bytes():
     assert vjp.saved_bytes(saved, exclude=model.parameters()) == vjp.saved_bytes(saved) - referenced
 
 
-def test_task2_model_loss_refuses_padding_mask_and_all_ignored_labels():
+def test_task2_model_loss_refuses_padding_mask_and_all_ignored_labels(tiny_model):
     model = tiny_model(torch.float32)
     input_ids, labels = batch()
     mask = torch.ones(B, T, dtype=torch.long)
@@ -238,9 +226,9 @@ def test_task2_model_loss_refuses_padding_mask_and_all_ignored_labels():
     q2.model_loss_forward(model, input_ids, labels, attention_mask=torch.ones(B, T))  # all ones is fine
 
 
-def test_task2_unsupported_config_is_refused():
+def test_task2_unsupported_config_is_refused(tiny_model, tiny_qwen2_config):
     with pytest.raises(ValueError, match="rope_type"):
-        q2.rope_cos_sin(tiny_config(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), T)
+        q2.rope_cos_sin(tiny_qwen2_config(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), T)
     model = tiny_model(torch.float32, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     input_ids, labels = batch()
     with pytest.raises(ValueError, match="full"):
@@ -251,7 +239,7 @@ def test_task2_unsupported_config_is_refused():
 # the float64 reference helper and the benchmark
 
 
-def test_task2_hf_float64_reference_changes_only_float64_and_restores_the_stock_modules():
+def test_task2_hf_float64_reference_changes_only_float64_and_restores_the_stock_modules(tiny_model):
     stock_norm, stock_eager = modeling_qwen2.Qwen2RMSNorm.forward, modeling_qwen2.eager_attention_forward
     input_ids, labels = batch()
     model32, model64 = tiny_model(torch.float32), tiny_model(torch.float64)
@@ -275,7 +263,8 @@ def test_task2_benchmark_runs_its_correctness_gate_and_reports_medians(capsys):
     assert "correctness gate" in out and "ratio by hand / autograd" in out
 
 
-def test_task0_task2_every_float32_island_is_measured_in_a_float64_model():
+@pytest.mark.task0  # Task0 shows the float32 islands too
+def test_task0_task2_every_float32_island_is_measured_in_a_float64_model(tiny_model):
     model, (ids, labels) = tiny_model(torch.float64, attn_implementation="sdpa"), batch()
     gaps = q2.float32_island_gaps(model, ids, labels)
     assert list(gaps) == list(q2.FLOAT32_ISLANDS) and all(g > 0 for g in gaps.values())

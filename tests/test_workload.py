@@ -16,10 +16,7 @@ from trainmech import profiles, workload
 from trainmech.errors import TrainmechError
 from trainmech.workload import IGNORE_INDEX
 
-
-@pytest.fixture(scope="module")
-def tiny_spec():
-    return profiles.load("TRAIN-CPU").model("qwen2-tiny")
+pytestmark = pytest.mark.package
 
 
 @pytest.fixture(scope="module")
