@@ -327,45 +327,6 @@ def test_missing_fields_take_transformers_defaults():
         ledger.model_shape({k: v for k, v in QWEN.items() if k != "num_key_value_heads"})
 
 
-@pytest.mark.parametrize(
-    "change, words",
-    [
-        ({"num_key_value_heads": "2"}, "num_key_value_heads must be a positive integer or absent, got '2'"),
-        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer or absent, got 0"),
-        ({"num_key_value_heads": 4}, "num_attention_heads 14 is not a multiple of num_key_value_heads 4"),
-        ({"head_dim": "64"}, "head_dim must be a positive integer or absent, got '64'"),
-        ({"head_dim": -64}, "head_dim must be a positive integer or absent, got -64"),
-        ({"head_dim": 63.5}, "head_dim must be a positive integer or absent, got 63.5"),
-        ({"hidden_size": 900}, "hidden_size 900 is not a multiple of num_attention_heads 14"),
-        ({"hidden_size": 896.0}, "lacks a positive integer for hidden_size"),
-        ({"num_hidden_layers": 1e9}, "lacks a positive integer for num_hidden_layers"),
-        ({"num_hidden_layers": 10**9}, "num_hidden_layers 1,000,000,000 is more than the 10,000"),
-        ({"num_hidden_layers": True}, "lacks a positive integer for num_hidden_layers"),
-        ({"vocab_size": -1}, "lacks a positive integer for vocab_size"),
-        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
-        ({"architectures": "Qwen2ForCausalLM"}, "architectures must be a list of names"),
-    ],
-)
-def test_nonsense_configs_are_refused_in_one_line(tmp_path, capsys, change, words):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({**QWEN, **change}))
-    rc, out, err = _run(["--config", str(path), "--batch", "1", "--seq", "8"], capsys)
-    assert rc == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith("trainmech: error: ") and words in err, err
-
-
-def test_a_config_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, capsys):
-    link = tmp_path / "config.json"
-    link.symlink_to("/dev/zero")
-    for config in (link, "/dev/zero", tmp_path):
-        rc, out, err = _run(["--config", str(config), "--batch", "1", "--seq", "8"], capsys)
-        assert rc == 2 and out == "" and err.count("\n") == 1 and "is not a regular file" in err, err
-    link.unlink()
-    link.write_bytes(b"\xff{}")
-    rc, _, err = _run(["--config", str(link), "--batch", "1", "--seq", "8"], capsys)
-    assert rc == 2 and "is not UTF-8 text" in err
-
-
 def test_time_grows_linearly_with_the_layers():
     import time
 
@@ -418,7 +379,12 @@ def test_foreach_and_fused_adamw_forced_on_cpu(impl):
     # foreach is CUDA's default: its sqrt temporary is as large as all parameters; fused makes none
     for c in ledger.measure_point("qwen2-tiny", 1, 32, optimizer_impl=impl):
         assert c.predicted_peak == c.measured_peak, (impl, c.step)
-        assert c.predicted.by_phase()["optimizer"] == c.measured.by_phase().get("optimizer", c.predicted.by_phase()["optimizer"])
+        measured = c.measured.by_phase()
+        if impl == "foreach" or c.step == "first":  # foreach's temporaries; a first step creates the moments
+            assert c.predicted.by_phase()["optimizer"] == measured["optimizer"]
+        else:  # a steady fused step allocates nothing: no tracker event there, and no temporary in the ledger
+            assert "optimizer" not in measured
+            assert not any(st.name == "optimizer.sqrt_temporaries" for st in c.predicted.states)
     book = ledger.training_state_lifecycle("qwen2-tiny", 1, 32, optimizer_impl="foreach")
     temp = next(st for st in book.states if st.name == "optimizer.sqrt_temporaries")
     assert temp.nbytes == 4 * book.shape.n_params
@@ -436,7 +402,10 @@ def test_accumulation_and_zeroed_gradients_are_predicted_byte_for_byte():
     for kwargs in ({"micro_batches": 2}, {"set_to_none": False}):
         for c in ledger.measure_point("qwen2-tiny", 1, 32, **kwargs):
             assert c.predicted_peak == c.measured_peak, (kwargs, c.step, c.micro_batch)
-            assert c.predicted.by_phase() == {p: c.measured.by_phase().get(p, v) for p, v in c.predicted.by_phase().items()}
+            predicted, measured = c.predicted.by_phase(), c.measured.by_phase()
+            assert {p: predicted[p] for p in measured} == measured  # every phase the tracker saw, byte for byte
+            # a phase with no allocation leaves no event: only a micro-batch's update and zero_grad may be silent
+            assert set(predicted) - set(measured) <= {"optimizer", "zero_grad"}, (kwargs, c.step)
     base = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda")
     kept = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda", set_to_none=False)
     at = lambda book: dict(book.live())["backward.loss:log_softmax"]  # noqa: E731
