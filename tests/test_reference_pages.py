@@ -246,7 +246,6 @@ def test_the_cell_id_map_is_applied():
 
     report = cellids.apply(write=False)
     assert not report.changed, f"run python -m trainmech twins --rename-ids: {[p.name for p in report.changed]}"
-    assert not report.warnings, report.warnings
 
 
 def test_pages_pass_the_glossary_lint():
