@@ -167,9 +167,9 @@ def test_nbval_fails_on_a_changed_loss_byte_count_or_verdict(tmp_path):
     source = REPO / "notebooks" / "Task0_training_loop.ipynb"
     nb = json.loads(source.read_text(encoding="utf-8"))
     # a loss in its 2nd significant digit, a parameter count by one, a claim's verdict and its tolerance
-    _perturb(nb, "cell-27", "loss per effective update: 6.24", "loss per effective update: 6.34")
-    _perturb(nb, "cell-19", "125,504", "125,505")
-    _perturb(nb, "cell-23", "rel ≤ 1e-06 ✓", "rel ≤ 1e-07 ✓")
+    _perturb(nb, "adamw-loop", "loss per effective update: 6.24", "loss per effective update: 6.34")
+    _perturb(nb, "build-model", "125,504", "125,505")
+    _perturb(nb, "shifted-cross-entropy", "rel ≤ 1e-06 ✓", "rel ≤ 1e-07 ✓")
     target = tmp_path / source.name
     target.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8")
     env = {**os.environ, "TRAINMECH_RESULTS_DIR": str(tmp_path / "records"), "PYTHONPATH": str(REPO)}
@@ -180,6 +180,6 @@ def test_nbval_fails_on_a_changed_loss_byte_count_or_verdict(tmp_path):
     )
     failed = set(re.findall(r"FAILED \S+::Cell (\d+)", run.stdout))
     code_ids = [c.get("id") for c in nb["cells"] if c["cell_type"] == "code"]
-    expected = {str(code_ids.index(cid)) for cid in ("cell-19", "cell-23", "cell-27")}
+    expected = {str(code_ids.index(cid)) for cid in ("build-model", "shifted-cross-entropy", "adamw-loop")}
     assert run.returncode == 1, run.stdout[-3000:]
     assert failed == expected, run.stdout[-3000:]

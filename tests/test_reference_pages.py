@@ -2,10 +2,12 @@
 
 Each page cites notebook cells in one machine-readable form, documented at the top of the page:
 
-    [Task3 · cell-27](../Task3_effective_updates.ipynb)
+    [Task3 · overflow-skip](../Task3_effective_updates.ipynb#cell-id=overflow-skip)
 
-`cell-27` is the cited cell's ``id`` in the notebook file: it stays with the cell when cells are
-inserted or removed around it. An inline code span that holds a check line (it starts or ends with
+`overflow-skip` is the cited cell's ``id`` in the notebook file: it stays with the cell when cells are
+inserted or removed around it. The link's fragment ``#cell-id=<the same id>`` makes JupyterLab scroll the
+opened notebook to that cell (tests/test_browser.py clicks one); ids are meaningful slugs, never positional
+``cell-NN`` (notebooks/cell_ids.toml maps the old ones, `python -m trainmech twins --rename-ids` applies it). An inline code span that holds a check line (it starts or ends with
 ``✓``, or says ``bitwise equal``) quotes the committed output of the nearest cell reference before it
 on the same line; whitespace runs count as one space. So when a notebook changes, a page that cites it
 goes stale loudly: a missing notebook, an id that is gone, or a quoted check line no longer printed
@@ -35,7 +37,8 @@ REFERENCE = NOTEBOOKS / "reference"
 PAGES = ("formulas.md", "troubleshooting.md", "problem_chain.md")
 TASKS = range(7)  # Task0 … Task6
 
-REF = re.compile(r"\[Task(\d) · ([A-Za-z0-9][A-Za-z0-9_-]*)\]\((\.\./(Task(\d)_[A-Za-z0-9_]+\.ipynb))\)")
+REF = re.compile(r"\[Task(\d) · ([A-Za-z0-9][A-Za-z0-9_-]*)\]\((\.\./(Task(\d)_[A-Za-z0-9_]+\.ipynb))(#[^)\s]*)?\)")
+POSITIONAL = re.compile(r"cell-\d+")
 LOOSE_REF = re.compile(r"Task\d\s*·\s*cell[\s-]*\d+")
 CODE_SPAN = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)")
 PLACEHOLDER = re.compile(r"（Task(\d) 页面完成后补充）")
@@ -119,6 +122,9 @@ def test_cell_references_point_at_existing_cells(page):
             task, cell_id, target, file_task = int(m.group(1)), m.group(2), m.group(3), int(m.group(5))
             path = (REFERENCE / target).resolve()
             nb = _notebook(path)
+            if m.group(6) != f"#cell-id={cell_id}":
+                problems.append(f"line {lineno}: the link to {cell_id} must end in #cell-id={cell_id} (it lands on the cell), "
+                                f"not {m.group(6) or 'no fragment'}")
             if task != file_task:
                 problems.append(f"line {lineno}: Task{task} label on {target}")
             elif nb is None:
@@ -221,6 +227,27 @@ def test_named_package_functions_exist(page):
             if module is None or (rest and not _defined(module, rest)):
                 missing.append(span)
     assert not missing, f"{page} names what trainmech does not define: {missing}"
+
+
+def test_notebook_cell_ids_are_meaningful_not_positional():
+    """Ids say what a cell does; a positional `cell-NN` reads like a position and invites citing one."""
+    positional = {}
+    for path in sorted(NOTEBOOKS.glob("Task*.ipynb")):
+        ids = [c.get("id", "") for c in _notebook(path)["cells"]]
+        assert len(set(ids)) == len(ids), f"{path.name}: duplicate cell ids"
+        assert all(re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", i) for i in ids), f"{path.name}: an id nbformat rejects"
+        if found := [i for i in ids if POSITIONAL.fullmatch(i)]:
+            positional[path.name] = found
+    assert not positional, ("positional cell ids; give each a meaningful id in notebooks/cell_ids.toml and run "
+                            f"python -m trainmech twins --rename-ids: {positional}")
+
+
+def test_the_cell_id_map_is_applied():
+    """Applying notebooks/cell_ids.toml again changes nothing: notebooks, citations and gpu-check keys are in step."""
+    from trainmech import cellids
+
+    report = cellids.apply(write=False)
+    assert not report.changed, f"run python -m trainmech twins --rename-ids: {[p.name for p in report.changed]}"
 
 
 def test_pages_pass_the_glossary_lint():

@@ -8,6 +8,7 @@ committed outputs that nbval compares); the twin follows it.
     python -m trainmech twins                 # write every twin from its notebook
     python -m trainmech twins --check         # exit 1 naming each twin that is out of step
     python -m trainmech twins --from-text Task3   # edited the twin? carry it into the notebook
+    python -m trainmech twins --rename-ids    # apply notebooks/cell_ids.toml (trainmech.cellids), then write
 
 The loop for a maintainer: edit the notebook (JupyterLab, a script) or its twin (then
 `--from-text`, which keeps the outputs and ids of unchanged cells), then
@@ -99,8 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="TaskN", help="only these notebooks")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a twin is out of step")
     parser.add_argument("--from-text", nargs="+", metavar="TaskN", help="carry these edited twins into their notebooks")
+    parser.add_argument("--rename-ids", action="store_true", help="apply the cell-id map notebooks/cell_ids.toml to the "
+                        "notebooks, the reference pages' citations and the gpu-check keys, then write the twins (idempotent)")
     args = parser.parse_args(argv)
     try:
+        if args.rename_ids:
+            from trainmech import cellids
+
+            rc = cellids.main(write=not args.check)
+            if args.check:
+                return rc
         if args.from_text:
             for path in from_text(args.from_text):
                 print(f"{path.relative_to(REPO_ROOT)}: inputs taken from its twin; now run python -m trainmech refresh --only {path.stem.split('_')[0]}")

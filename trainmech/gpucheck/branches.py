@@ -1,6 +1,6 @@
 """The registry of CUDA-only branches and the checks that run them at small sizes.
 
-A `Branch` names the sites it covers (`scan` keys: `measure.cuda_peaks`, `Task5:cell-44`), says
+A `Branch` names the sites it covers (`scan` keys: `measure.cuda_peaks`, `Task5:timing-table`), says
 what only CUDA runs there and what chooses it, and either carries a `check` (package code) or is
 run by the notebook pass (a notebook cell). Each package check takes a `Probe` and runs on any
 device: on a GPU it takes the CUDA side, on a CPU the same logic with the CPU side chosen, so the
@@ -469,47 +469,47 @@ NOT_BRANCHES = {
 
 # Notebook cells whose CUDA side only a CUDA-mode run executes (the notebook pass runs them).
 NOTEBOOK_CELLS = {
-    "Task0:cell-23": "the random model's loss ≈ ln V claim is checked on CPU only",
+    "Task0:shifted-cross-entropy": "the random model's loss ≈ ln V claim is checked on CPU only",
     "Task2:sdpa-identity": "SDPA's saved rows identified by storage on CPU only (a CUDA kernel may keep RNG state, padded lse)",
-    "Task2:cell-30": "the exact HF-vs-ours saved-bytes identity asserted on CPU only",
+    "Task2:layer-bytes-identity": "the exact HF-vs-ours saved-bytes identity asserted on CPU only",
     "Task2:model-bytes": "the whole-model saved-bytes identity asserted on CPU only",
-    "Task3:cell-03": "3 warm-up + 20 timed windows on CUDA (1 + 3 on CPU)",
-    "Task3:cell-17": "accelerate's Accelerator(cpu=False): it prepares the model on the GPU",
-    "Task3:cell-19": "frees comparison copies, prints allocated / reserved peaks and the accumulation deltas",
-    "Task3:cell-23": "accelerate's fp16 really runs float16 Linear layers on CUDA (float32 on CPU)",
-    "Task3:cell-32": "prints FP16 vs FP32 peak and median",
+    "Task3:imports-setup": "3 warm-up + 20 timed windows on CUDA (1 + 3 on CPU)",
+    "Task3:accelerate-accumulate": "accelerate's Accelerator(cpu=False): it prepares the model on the GPU",
+    "Task3:record-accumulation": "frees comparison copies, prints allocated / reserved peaks and the accumulation deltas",
+    "Task3:accelerate-precision": "accelerate's fp16 really runs float16 Linear layers on CUDA (float32 on CPU)",
+    "Task3:record-amp": "prints FP16 vs FP32 peak and median",
     "Task3:trainer-count": "TrainingArguments(use_cpu=False): the Trainer counts num_items_in_batch on the GPU",
     "Task3:resume-check": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
-    "Task4:cell-03": "ledger.CUDA_POINTS instead of the CPU points",
-    "Task4:cell-17": "lifecycle bytes within 1 % instead of byte for byte",
-    "Task4:cell-26": "the allocator model's allocated / reserved peaks against the GPU's own, the allocator history",
-    "Task4:cell-28": "allocated / reserved peaks into the record; measured_with torch.cuda.max_memory_allocated",
-    "Task5:cell-03": "3 warm-up + 21 timed updates on CUDA (1 + 3 on CPU)",
-    "Task5:cell-05": "gate 2 against the baseline everywhere; the bitwise claim on CPU only",
-    "Task5:cell-09": "the baseline peak claim is CPU-only",
-    "Task5:cell-25": "RNG-preserving replay within gates.GRAD_RTOL instead of bitwise",
-    "Task5:cell-30": "copy and exposed transfer times from CUDA events",
-    "Task5:cell-35": "ledger-vs-measured peak claims are CPU-only",
-    "Task5:cell-37": "saved-bytes claims are CPU-only",
-    "Task5:cell-39": "peak phase and composition claims are CPU-only",
-    "Task5:cell-42": "the scenario matrix with the allocator's peaks on CUDA; the 1 % claim on tracked bytes CPU-only",
+    "Task4:imports-setup": "ledger.CUDA_POINTS instead of the CPU points",
+    "Task4:lifecycle-vs-measured": "lifecycle bytes within 1 % instead of byte for byte",
+    "Task4:cuda-allocator-peaks": "the allocator model's allocated / reserved peaks against the GPU's own, the allocator history",
+    "Task4:record-state-ledger": "allocated / reserved peaks into the record; measured_with torch.cuda.max_memory_allocated",
+    "Task5:imports-setup": "3 warm-up + 21 timed updates on CUDA (1 + 3 on CPU)",
+    "Task5:protocol": "gate 2 against the baseline everywhere; the bitwise claim on CPU only",
+    "Task5:baseline-ledger": "the baseline peak claim is CPU-only",
+    "Task5:dropout-rng": "RNG-preserving replay within gates.GRAD_RTOL instead of bitwise",
+    "Task5:overlapped-offload": "copy and exposed transfer times from CUDA events",
+    "Task5:strategy-peaks": "ledger-vs-measured peak claims are CPU-only",
+    "Task5:saved-at-forward-end": "saved-bytes claims are CPU-only",
+    "Task5:peak-composition": "peak phase and composition claims are CPU-only",
+    "Task5:scenario-matrix": "the scenario matrix with the allocator's peaks on CUDA; the 1 % claim on tracked bytes CPU-only",
     "Task5:in-backward": "optimizer-in-backward within 1e-5 of AdamW on CUDA, bitwise on CPU",
     "Task5:transfer-estimate": "this machine's copy bandwidth and phase times, measured, beside the nominal bound",
-    "Task5:cell-44": "the timing table, decisions from reserved peaks, bytes per sequence and medians; the overlap claim",
-    "Task6:cell-03": "3 warm-up + 21 timed steps on CUDA; one CPU thread only on CPU",
+    "Task5:timing-table": "the timing table, decisions from reserved peaks, bytes per sequence and medians; the overlap claim",
+    "Task6:imports-setup": "3 warm-up + 21 timed steps on CUDA; one CPU thread only on CPU",
     "Task6:noise-floor": "the bitwise reference rerun is claimed on CPU only",
-    "Task6:cell-17": "the FP16 margin claim is CPU-only",
-    "Task6:cell-31": "the tracked-bytes identity of checkpoint+offload is claimed on CPU only",
+    "Task6:gradient-errors-figure": "the FP16 margin claim is CPU-only",
+    "Task6:strategy-table": "the tracked-bytes identity of checkpoint+offload is claimed on CPU only",
 }
 
 # Kernel choices with no device test in the cell: the SDPA kernel follows the device and dtype
 # (fp32 grouped-query attention runs the math kernel on CUDA). Listed so gpu-check runs and reports
 # them; an issue named is one whose fix they wait for.
 KERNEL_CHOICE_CELLS = {
-    "Task4:cell-09": ("the inventory of the kernel ledger.attention_kernel picks for this device (math for CUDA fp32 GQA)", None),
-    "Task4:cell-11": ("per-layer saved bytes against that inventory (1 % claim)", None),
-    "Task5:cell-11": ("the layer inventory follows the ledger's kernel for the device (books['baseline'].attention)", None),
-    "Task5:cell-19": ("the selective checkpoint's saved outputs against the matmul and attention ops a plain forward dispatched "
+    "Task4:layer-saved-inventory": ("the inventory of the kernel ledger.attention_kernel picks for this device (math for CUDA fp32 GQA)", None),
+    "Task4:measure-first-steady": ("per-layer saved bytes against that inventory (1 % claim)", None),
+    "Task5:layer-saved-inventory": ("the layer inventory follows the ledger's kernel for the device (books['baseline'].attention)", None),
+    "Task5:selective": ("the selective checkpoint's saved outputs against the matmul and attention ops a plain forward dispatched "
                       "(one fused SDPA op on CPU, two bmm with CUDA's math kernel)", None),
 }
 
@@ -518,7 +518,7 @@ def registry() -> list[Branch]:
     """Every branch: package checks first, then the notebook cells in Task order."""
     cells = [Branch(key, (key,), text) for key, text in NOTEBOOK_CELLS.items()]
     cells += [Branch(key, (key,), f"kernel choice: {text}", known=issue) for key, (text, issue) in KERNEL_CHOICE_CELLS.items()]
-    order = lambda b: (int(b.name[4:].split(":")[0]), b.name)  # noqa: E731  (Task4:cell-09 -> 4)
+    order = lambda b: (int(b.name[4:].split(":")[0]), b.name)  # noqa: E731  (Task4:layer-saved-inventory -> 4)
     return PACKAGE + sorted(cells, key=order)
 
 

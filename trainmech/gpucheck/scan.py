@@ -29,7 +29,7 @@ DEVICE_STRINGS = frozenset({"cuda", "cpu"})
 class Site:
     """One device-dependent spot: its group key, file, line and the source text that selects it."""
 
-    key: str  # measure.cuda_peaks | Task5:cell-44
+    key: str  # measure.cuda_peaks | Task5:timing-table
     path: str  # relative to the repository root
     line: int
     text: str  # the test or call, as written (first line)
