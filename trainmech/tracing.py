@@ -27,6 +27,7 @@ import torch
 
 from trainmech import amp, supervision
 from trainmech.candidates import Candidate, GateWorkload, Window, calibrated_scale
+from trainmech.display import progress
 from trainmech.measure import StorageTracker, cuda_peaks, reset_cuda_peaks, time_stats, timed
 from trainmech.workload import supervised_tokens
 
@@ -410,7 +411,7 @@ def remeasure(cand: Candidate, reference: Candidate, gw: GateWorkload, *, warmup
         for c in (cand, reference):
             _transfer(c, 0)  # forget the warm-up's offload runs
         seconds = {id(cand): [], id(reference): []}
-        for i in range(repeats):
+        for i in progress(range(repeats), desc=f"timing {cand.name} beside {reference.name}", unit="round"):
             for c in order[i % 2]:
                 window = clean[(warmup + i) % len(clean)]
                 seconds[id(c)].append(timed(partial(_attempt, c, states[id(c)], window), gw.device)[1])
