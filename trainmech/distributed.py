@@ -520,6 +520,13 @@ def communication_table(reports: list[RankReport], model: str = "qwen2-tiny") ->
     return "\n".join(lines), same
 
 
+def torch_isfinite(t) -> bool:
+    """Every element of a tensor finite."""
+    import torch
+
+    return bool(torch.isfinite(t).all())
+
+
 def agreement(reports: list[RankReport], reference: tuple[float, dict, dict]) -> dict[tuple[int, int], dict]:
     """(stage, N) -> the comparison with one process: bitwise (gradients and parameters), the largest relative
     gradient error, the largest parameter difference, the mean loss over the ranks minus the reference loss."""
@@ -530,6 +537,8 @@ def agreement(reports: list[RankReport], reference: tuple[float, dict, dict]) ->
         out[(r.stage, r.world_size)] = {
             "bitwise": all(torch_equal(r.grads[n], g) for n, g in grads.items()) and all(torch_equal(r.params[n], p) for n, p in params.items()),
             "grad_rel": max(float((r.grads[n] - g).abs().max() / g.abs().max()) for n, g in grads.items()),
+            "grad_abs": max(float((r.grads[n] - g).abs().max()) for n, g in grads.items()),
+            "all_finite": all(torch_isfinite(g) for g in r.grads.values()) and all(torch_isfinite(p) for p in r.params.values()),
             "param_abs": max(float((r.params[n] - p).abs().max()) for n, p in params.items()),
             "loss_diff": sum(losses) / len(losses) - loss,
         }
@@ -557,17 +566,20 @@ def write_records(session, reports: list[RankReport], books: dict, agreed: dict,
             "TRAIN-STATE-LEDGER", f"cpu-tiny-b{batch}s{seq}-zero{r.stage}-n{r.world_size}", built=built, input_shape=[batch, seq],
             effective_batch={"sequences": batch, "supervised_tokens": workload.supervised_tokens(data["labels"])}, dtype="float32",
             update_count=1, candidate=f"zero-stage-{r.stage}",
-            correctness={"grad_max_abs_error": None, "all_finite": None, "skipped_updates": 0, "effective_updates": 1},
+            correctness={"grad_max_abs_error": agreed[key]["grad_abs"], "all_finite": agreed[key]["all_finite"],
+                         "skipped_updates": 0, "effective_updates": 1},
             conclusion={"evidence_level": "cpu-mechanism", "next_step": "torchrun --nproc-per-node N -m trainmech.distributed on GPUs (NCCL)"},
             metrics={"engine": STAGES[r.stage], "world_size": r.world_size, "backend": "gloo",
                      "held_bytes_rank0": r.held, "measured_peak_bytes_per_rank": [x.peak_bytes for x in ranks],
                      "measured_peak_phase": r.peak_phase, "predicted_peak_bytes": peak.bytes, "predicted_peak_phase": peak.phase,
                      "peak_error": peak.bytes / r.peak_bytes - 1, "measured_by_category": r.peak_by_category,
-                     "predicted_by_category": peak.by_category, "torch_fsdp_mem_tracker_peak_bytes": r.torch_tracker_peak,
+                     "predicted_by_category": peak.by_category,
                      "collective_calls": {k.strip("_"): c.calls for k, c in r.collectives.items()},
                      "collective_payload_bytes": {k.strip("_"): c.payload_bytes for k, c in r.collectives.items()},
                      "bitwise_equal_to_one_process": agreed[key]["bitwise"], "grad_max_rel_error": agreed[key]["grad_rel"],
-                     "param_max_abs_error": agreed[key]["param_abs"]}))
+                     "param_max_abs_error": agreed[key]["param_abs"]}
+                    | ({} if r.torch_tracker_peak is None  # only where PyTorch's FSDPMemTracker ran (torch_tracker=)
+                       else {"torch_fsdp_mem_tracker_peak_bytes": r.torch_tracker_peak})))
     return out
 
 
