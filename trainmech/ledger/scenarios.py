@@ -96,15 +96,20 @@ def _peak_bytes(row: Scenario, which: str) -> int:
     return getattr(row, which).bytes
 
 
+def _ratio(rows: list[Scenario], strategy: str, update: str, which: str, optimizer_step: str) -> float:
+    """strategy / baseline of one peak (`whole` or `forward_backward`) in the same update and optimizer step."""
+    pick = {(r.strategy, r.update, r.optimizer_step): _peak_bytes(r, which) for r in rows}
+    return pick[(strategy, update, optimizer_step)] / pick[("baseline", update, optimizer_step)]
+
+
 def change(rows: list[Scenario], strategy: str, update: str, which: str = "whole", optimizer_step: str = "default") -> float:
     """(strategy − baseline) / baseline of one peak (`whole` or `forward_backward`) in the same update and optimizer step."""
-    pick = {(r.strategy, r.update, r.optimizer_step): _peak_bytes(r, which) for r in rows}
-    return pick[(strategy, update, optimizer_step)] / pick[("baseline", update, optimizer_step)] - 1
+    return _ratio(rows, strategy, update, which, optimizer_step) - 1
 
 
 def drops(rows: list[Scenario], strategy: str) -> dict[tuple[str, str, str], float]:
     """(update, optimizer step, "fwd+bwd" | "update") -> 1 - the strategy's peak / the baseline's in the same scenario."""
-    return {(r.update, r.optimizer_step, kind): -change(rows, strategy, r.update, which, r.optimizer_step)
+    return {(r.update, r.optimizer_step, kind): 1 - _ratio(rows, strategy, r.update, which, r.optimizer_step)
             for r in rows if r.strategy == strategy
             for kind, which in (("fwd+bwd", "forward_backward"), ("update", "whole"))}
 
