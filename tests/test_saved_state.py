@@ -75,7 +75,7 @@ def test_task2_measurement_leaves_gradients_unchanged_and_names_consumers():
     grads = []
     for measured in (False, True):
         leaf, weight = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        with saved_state.measure(references=(weight,)) as m:
+        with saved_state.record_forward(references=(weight,)) as m:
             out = torch.tanh(leaf @ weight.T) + leaf  # a residual add on top
         if measured:
             m.find_consumers(out)
@@ -92,10 +92,10 @@ def test_task2_measurement_leaves_gradients_unchanged_and_names_consumers():
 def test_task2_measurement_names_modules_and_our_functions():
     lin = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.SiLU())
     x = torch.randn(2, 3)
-    with saved_state.measure(root=lin, references=lin.parameters()) as m:
+    with saved_state.record_forward(root=lin, references=lin.parameters()) as m:
         lin(x)
     assert [(a.where, a.op) for a in m.activations] == [("0", "addmm"), ("1", "silu")]
-    with saved_state.measure() as m:
+    with saved_state.record_forward() as m:
         _, saved = vjp.silu_forward(x)
     assert {a.where for a in m.activations} == {"silu_forward"}
     assert not any(a.saved for a in m.activations_saved_by(saved))  # silu keeps its input, made before

@@ -1,5 +1,5 @@
 """Task5 guard: activation checkpointing (trainmech.checkpointing), activation offload (trainmech.offload),
-optimizer-in-backward, and the ledger's scenario views (trainmech.scenarios) against measured steps.
+optimizer-in-backward, and the ledger's scenario views (trainmech.ledger.scenarios) against measured steps.
 
 On the CPU the arithmetic of a recomputed forward, and of a backward reading restored copies, is
 the arithmetic of the baseline, so loss and every gradient must be bitwise equal. A tiny real
@@ -16,8 +16,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trainmech import checkpointing as C
-from trainmech import ledger, measure, scenarios
+from trainmech import ledger, measure
 from trainmech.errors import TrainmechError
+from trainmech.ledger import scenarios
 from trainmech.offload import ActivationOffload, CountingSaveOnCpu, HostArena, OffloadBook, restore_check
 from trainmech.optimizers import OptimizerInBackward
 
@@ -468,25 +469,25 @@ def test_scenario_matrix_predicts_every_measured_cell(model, tensors):
                   "for-loop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
                   "fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
                   "in-backward": lambda ps: OptimizerInBackward(ps, lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False))}
-    got = scenarios.measure_matrix(model, tensors, initial, optimizers=optimizers,
-                                   strategies={"baseline": None, "checkpoint": lambda m: C.hf_checkpointing(m), "offload": _offloaded})
-    rows = scenarios.scenario_matrix(model.config, B, T, device="cpu", optimizers=tuple(optimizers), min_bytes=HIDDEN // 4)
-    measured = {k: (m.forward_backward_bytes, m.update_bytes) for k, m in got.items()}
-    assert len(rows) == 24 and scenarios.worst_error(rows, measured) <= 0.01
-    text = scenarios.render(rows, unit=2**10, unit_name="KiB", measured_rows=measured)
+    got = ledger.measure_matrix(model, tensors, initial, optimizers=optimizers,
+                                strategies={"baseline": None, "checkpoint": lambda m: C.hf_checkpointing(m), "offload": _offloaded})
+    rows = scenarios.scenario_matrix(model.config, B, T, device="cpu", optimizer_steps=tuple(optimizers), min_bytes=HIDDEN // 4)
+    measured = {k: (m.forward_backward_bytes, m.whole_bytes) for k, m in got.items()}
+    assert len(rows) == 24 and scenarios.worst_peak_error(rows, measured) <= 0.01
+    text = scenarios.render_rows(rows, unit=2**10, unit_name="KiB", measured_rows=measured)
     assert text.count("\n") == 24 and "in-backward" in text
-    assert all(m.update_allocated is None for m in got.values())  # no CUDA allocator here: unknown, not 0
+    assert all(m.whole_allocated is None for m in got.values())  # no CUDA allocator here: unknown, not 0
 
 
 def test_scenario_views_refuse_what_they_do_not_model():
     with pytest.raises(TrainmechError, match="unknown optimizer step"):
-        scenarios.scenario_ledger("qwen2-tiny", 1, 32, strategy="baseline", step="first", optimizer="adafactor")
+        scenarios.scenario_ledger("qwen2-tiny", 1, 32, strategy="baseline", update="first", optimizer_step="adafactor")
     with pytest.raises(TrainmechError, match="strategy must be one of"):
-        scenarios.scenario_ledger("qwen2-tiny", 1, 32, strategy="zero", step="first")
+        scenarios.scenario_ledger("qwen2-tiny", 1, 32, strategy="zero", update="first")
 
 
 def test_gpu_shape_scenarios_tell_the_forward_backward_peak_from_the_update_peak():
-    rows = scenarios.scenario_matrix("qwen2.5-0.5b", 2, 512, device="cuda", optimizers=("default", "in-backward"))
+    rows = scenarios.scenario_matrix("qwen2.5-0.5b", 2, 512, device="cuda", optimizer_steps=("default", "in-backward"))
     drops = scenarios.drops(rows, "checkpoint")
     assert drops[("first", "default", "fwd+bwd")] > 0.25 and drops[("first", "default", "update")] < 0.01  # the step peaks
     assert drops[("steady", "in-backward", "update")] > drops[("steady", "default", "update")]  # the remedy

@@ -178,7 +178,7 @@ def test_task2_measurement_sees_what_our_function_wrapper_saves():
     """Through `as_function`, autograd saves exactly our `saved` tensors: x and the weight for linear."""
     gen = torch.Generator().manual_seed(4)
     x, w = randn(gen, 3, 4).requires_grad_(True), randn(gen, 5, 4).requires_grad_(True)
-    with saved_state.measure(references=(w,)) as m:
+    with saved_state.record_forward(references=(w,)) as m:
         out = as_function("linear")(x, w, None)
     m.find_consumers(out)
     assert m.saved_bytes == x.nbytes and [r.reference for r in m.saved] == [False, True]

@@ -14,9 +14,24 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from trainmech.checks import dtype_name
 from trainmech.errors import TrainmechError
 
+# precision -> the dtype autocast runs in (None: no autocast, FP32 throughout); the one table of precisions
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str) -> str:
+    """The compute dtype a precision runs in, by name: "fp32" → "float32", "bf16" → "bfloat16"."""
+    return dtype_name(PRECISIONS[precision] or torch.float32)
+
+
+def precision_of(dtype: str) -> str:
+    """The precision whose compute dtype is `dtype` ("float32", "bfloat16", "float16"); the inverse of compute_dtype."""
+    for precision in PRECISIONS:
+        if compute_dtype(precision) == dtype:
+            return precision
+    raise TrainmechError(f"unknown dtype {dtype!r}; valid: {', '.join(map(compute_dtype, PRECISIONS))}")
 
 
 def autocast(device: torch.device, precision: str):
@@ -43,7 +58,7 @@ def activation_dtypes(model: torch.nn.Module, kinds: tuple[str, ...] = ("Linear"
     def hook(module, inputs, output):
         out = output[0] if isinstance(output, tuple) else output
         if torch.is_tensor(out):
-            seen[_kind(module)].add(str(out.dtype).removeprefix("torch."))
+            seen[_kind(module)].add(dtype_name(out.dtype))
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if _kind(m) in kinds]
     try:

@@ -32,7 +32,6 @@ from trainmech.offload import ActivationOffload
 from trainmech.update import wsd_multiplier
 from trainmech.workload import lm_batch, split_micro_batches, supervised_tokens, uneven_batch
 
-PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # claimed dtype -> amp precision
 MAX_SCALE_HALVINGS = 40  # FP16 loss-scale calibration gives up below 2**16 / 2**40
 
 
@@ -98,12 +97,14 @@ class Candidate:
     strategies: tuple = ()  # the strategy contexts inside `backward`, when built by `candidate` (their stats are read there)
 
     def __post_init__(self):
-        if self.dtype not in PRECISION:
-            raise TrainmechError(f"candidate {self.name}: unknown dtype {self.dtype!r}; valid: {', '.join(PRECISION)}")
+        try:
+            amp.precision_of(self.dtype)
+        except TrainmechError as e:
+            raise TrainmechError(f"candidate {self.name}: {e}") from None
 
     @property
     def precision(self) -> str:
-        return PRECISION[self.dtype]
+        return amp.precision_of(self.dtype)
 
 
 def candidate(name: str, semantic_id: str, *contexts, dtype: str = "float32", **kwargs) -> Candidate:

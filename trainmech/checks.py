@@ -87,6 +87,11 @@ def num(x: float, digits: int = 3) -> str:
     return text[:-1] if text.endswith(".") else text
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as printed on a page: torch.bfloat16 → 'bfloat16'."""
+    return str(dtype).removeprefix("torch.")
+
+
 def claim(condition: bool, statement: str) -> None:
     """Raise ClaimFailed(statement) unless condition holds; print `✓ statement` when it does.
 

@@ -2,9 +2,9 @@
 
     run = autograd_vjp(fn, inputs, grad_out, references=(weight,))
     run.out, run.grads          # fn(*inputs) and d<out, grad_out>/d input, one per input
-    run.saved, run.saved_bytes  # what autograd kept for that backward (SavedTensor rows, bytes)
+    run.saved, run.saved_bytes  # what autograd kept for that backward (SavedStorage rows, bytes)
 
-    with measure(root=layer, references=layer.parameters()) as m:
+    with record_forward(root=layer, references=layer.parameters()) as m:
         out = layer(x, ...)
     m.find_consumers(out)       # before backward: which backward node reads each saved tensor
     m.saved, m.saved_bytes      # distinct saved storages; parameters excluded from the bytes
@@ -31,9 +31,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trainmech import graph
-from trainmech.checks import ClaimFailed, close
+from trainmech.checks import ClaimFailed, close, dtype_name
 
-__all__ = ["SavedTensor", "Activation", "Measurement", "measure", "AutogradVJP", "autograd_vjp",
+__all__ = ["SavedStorage", "Activation", "ForwardRecord", "record_forward", "AutogradVJP", "autograd_vjp",
            "compare_vjp", "storage_bytes", "storage_summary", "describe", "format_table", "saved_table", "activation_table"]
 
 
@@ -63,13 +63,13 @@ def storage_summary(obj, references=()) -> tuple[int, int, int]:
 
 
 def storage_bytes(obj, references=()) -> int:
-    """The new bytes of `storage_summary`: the measure `Measurement.saved_bytes` applies to what
+    """The new bytes of `storage_summary`: the count `ForwardRecord.saved_bytes` applies to what
     autograd saves, so the two sides of a comparison count alike."""
     return storage_summary(obj, references)[2]
 
 
 @dataclass
-class SavedTensor:
+class SavedStorage:
     """One storage autograd saved for backward."""
 
     shape: tuple[int, ...]  # of the first view saved
@@ -129,13 +129,13 @@ def _vjp_function() -> str:
     return "-"
 
 
-class Measurement:
+class ForwardRecord:
     """What one forward created and what autograd saved from it; see the module docstring."""
 
     def __init__(self, root: torch.nn.Module | None = None, references=()):
         self.root = root
         self.references = {_key(t) for t in references}
-        self._saved: dict[tuple[str, int], SavedTensor] = {}
+        self._saved: dict[tuple[str, int], SavedStorage] = {}
         self.activations: list[Activation] = []
         self._stack: list[str] = []
         self._names = {id(m): name for name, m in root.named_modules()} if root is not None else {}
@@ -147,7 +147,7 @@ class Measurement:
         if k in self._saved:
             self._saved[k].times += 1
         else:
-            self._saved[k] = SavedTensor(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(),
+            self._saved[k] = SavedStorage(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(),
                                          k in self.references, key=k)
         return t.detach()  # the same memory without grad_fn: no reference cycle through the graph
 
@@ -156,7 +156,7 @@ class Measurement:
         return t
 
     @property
-    def saved(self) -> list[SavedTensor]:
+    def saved(self) -> list[SavedStorage]:
         """One row per distinct saved storage, in the order autograd first saved it."""
         return list(self._saved.values())
 
@@ -171,7 +171,7 @@ class Measurement:
         return len(self._saved) - refs, refs, self.saved_bytes
 
     def find_consumers(self, *outputs: torch.Tensor) -> None:
-        """Fill SavedTensor.consumers: walk the graph from `outputs` (before backward frees it) and
+        """Fill SavedStorage.consumers: walk the graph from `outputs` (before backward frees it) and
         read each node's `_saved_*` attributes (`saved_tensors` for a custom autograd.Function).
         Raises if a saved storage is found in no node."""
         found: dict[tuple[str, int], list[str]] = {}
@@ -203,7 +203,7 @@ class Measurement:
         row = self._saved.get(activation.key)
         return row.consumers if row is not None else ()
 
-    def not_created_here(self) -> list[SavedTensor]:
+    def not_created_here(self) -> list[SavedStorage]:
         """Saved storages that no op of the block created: its inputs, constants and parameters."""
         made = {a.key for a in self.activations}
         return [row for row in self._saved.values() if row.key not in made]
@@ -216,7 +216,7 @@ class Measurement:
 
     # -- the block ----------------------------------------------------------------------------
 
-    def __enter__(self) -> "Measurement":
+    def __enter__(self) -> "ForwardRecord":
         def pre(module, args):
             if id(module) in self._names:
                 self._stack.append(self._names[id(module)])
@@ -245,9 +245,10 @@ class Measurement:
         return False
 
 
-def measure(root: torch.nn.Module | None = None, references=()) -> Measurement:
-    """A block that measures one forward: see the module docstring. `root` names the modules."""
-    return Measurement(root, references)
+def record_forward(root: torch.nn.Module | None = None, references=()) -> ForwardRecord:
+    """A block that records one forward (what it created, what autograd saved): see the module docstring.
+    `root` names the modules."""
+    return ForwardRecord(root, references)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,7 +259,7 @@ def measure(root: torch.nn.Module | None = None, references=()) -> Measurement:
 class AutogradVJP:
     out: torch.Tensor
     grads: tuple[torch.Tensor | None, ...]  # one per input; None for integer / None / constant inputs
-    saved: list[SavedTensor]
+    saved: list[SavedStorage]
     saved_bytes: int  # references excluded
 
 
@@ -272,7 +273,7 @@ def autograd_vjp(fn, inputs, grad_out, *, constants=(), references=()) -> Autogr
     leaves = [t.detach().requires_grad_(True)
               if isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constants else t
               for i, t in enumerate(inputs)]
-    with measure(references=references) as m:
+    with record_forward(references=references) as m:
         out = fn(*leaves)
     m.find_consumers(out)
     (out * grad_out).sum().backward()
@@ -316,20 +317,16 @@ def format_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def saved_table(rows: list[SavedTensor]) -> str:
+def saved_table(rows: list[SavedStorage]) -> str:
     """What autograd saved, one line per storage: shape, dtype, bytes (0 for a parameter: saved by
     reference), how many nodes saved it, and the backward nodes that read it."""
     return format_table(
         ["shape", "dtype", "new bytes", "saves", "read by (backward nodes)"],
-        [[r.shape, _short(r.dtype), 0 if r.reference else r.nbytes, r.times,
+        [[r.shape, dtype_name(r.dtype), 0 if r.reference else r.nbytes, r.times,
           ", ".join(r.consumers) + ("  [parameter]" if r.reference else "")] for r in rows])
 
 
-def activation_table(m: Measurement) -> str:
+def activation_table(m: ForwardRecord) -> str:
     """Every activation of a measured forward: where it was made, by which ATen op, its shape and
     bytes, and which backward nodes read it ('-' = never saved)."""
     return format_table(

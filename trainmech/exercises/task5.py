@@ -6,6 +6,7 @@ import weakref
 
 import torch
 
+from trainmech.checks import dtype_name
 from trainmech.exercises import _Run, _Wrong, _exercise, _first_line, _rel, _tensor, _tiny_model, _tuple
 
 
@@ -85,8 +86,8 @@ def _task5_offload(run: _Run) -> None:
         if not isinstance(t, torch.Tensor):
             stats["differ"].append(f"返回了 {type(t).__name__}")
         elif t.dtype != ref.dtype or t.shape != ref.shape:
-            stats["differ"].append(f"{tuple(ref.shape)} {str(ref.dtype).removeprefix('torch.')} 取回成了 "
-                                   f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
+            stats["differ"].append(f"{tuple(ref.shape)} {dtype_name(ref.dtype)} 取回成了 "
+                                   f"{tuple(t.shape)} {dtype_name(t.dtype)}")
         elif not torch.equal(t, ref):
             stats["differ"].append(f"{tuple(ref.shape)} 的数值变了（max|Δ|={(t.double() - ref.double()).abs().max().item():.1e}）")
         return t

@@ -293,7 +293,7 @@ def check_gates(probe: Probe) -> str:
 
 
 def check_scenarios(probe: Probe) -> str:
-    from trainmech import candidates, scenarios
+    from trainmech import candidates
     from trainmech.optimizers import OptimizerInBackward
 
     model = probe.model()
@@ -301,22 +301,22 @@ def check_scenarios(probe: Probe) -> str:
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     optimizers = {"foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
                   "in-backward": lambda ps: OptimizerInBackward(ps, lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=probe.cuda))}
-    got = scenarios.measure_matrix(model, batch, initial, strategies={"baseline": None, "checkpoint": candidates.activation_checkpointing},
-                                   optimizers=optimizers)
-    rows = scenarios.scenario_matrix(model.config, probe.batch, probe.seq, device=probe.device.type, strategies=("baseline", "checkpoint"),
-                                     optimizers=tuple(optimizers))
-    tracked = scenarios.worst_error(rows, {k: (m.forward_backward_bytes, m.update_bytes) for k, m in got.items()})
+    got = ledger.measure_matrix(model, batch, initial, strategies={"baseline": None, "checkpoint": candidates.activation_checkpointing},
+                                optimizers=optimizers)
+    rows = ledger.scenario_matrix(model.config, probe.batch, probe.seq, device=probe.device.type, strategies=("baseline", "checkpoint"),
+                                  optimizer_steps=tuple(optimizers))
+    tracked = ledger.scenarios.worst_peak_error(rows, {k: (m.forward_backward_bytes, m.whole_bytes) for k, m in got.items()})
     if probe.cuda:
-        allocated = {k: (m.forward_backward_allocated, m.update_allocated) for k, m in got.items()}
+        allocated = {k: (m.forward_backward_allocated, m.whole_allocated) for k, m in got.items()}
         require(all(a and b for a, b in allocated.values()), f"allocator peaks missing: {allocated}")
         return f"{len(rows)} scenarios measured; ledger vs tracked bytes worst {tracked:.1%}, vs allocated worst " \
-               f"{scenarios.worst_error(rows, allocated):.1%} (accuracy targets: issue 15)"
-    require(tracked <= 0.01 and all(m.update_allocated is None for m in got.values()), f"ledger vs tracked bytes {tracked:.2%}")
+               f"{ledger.scenarios.worst_peak_error(rows, allocated):.1%} (accuracy targets: issue 15)"
+    require(tracked <= 0.01 and all(m.whole_allocated is None for m in got.values()), f"ledger vs tracked bytes {tracked:.2%}")
     return f"{len(rows)} scenarios: the ledger's views within {tracked:.2%} of the tracked bytes; allocator fields null off CUDA"
 
 
 def check_strategy_records(probe: Probe) -> str:
-    from trainmech import candidates, gates, ledger, scenarios, strategy_records, tracing
+    from trainmech import candidates, gates, strategy_records, tracing
 
     model = probe.model()
     batch = probe.lm_batch()
@@ -332,9 +332,9 @@ def check_strategy_records(probe: Probe) -> str:
     state = gw.fresh_state(baseline)
     baseline.backward(state, gw.windows[0])
     baseline.update(state)
-    books = {s: scenarios.scenario_ledger(model.config, probe.batch, probe.seq, strategy=s, step="steady", device=probe.device.type)
+    books = {s: ledger.scenario_ledger(model.config, probe.batch, probe.seq, strategy=s, update="steady", device=probe.device.type)
              for s in ("baseline", "checkpoint")}
-    steps = [scenarios.tracked_step(model, state.optimizer, batch, c) for c in (None, candidates.activation_checkpointing)]
+    steps = [ledger.tracked_step(model, state.optimizer, batch, c) for c in (None, candidates.activation_checkpointing)]
     ledger_record = strategy_records.ledger_fields("hf-checkpoint", books["checkpoint"], steps[1], steps[0], books["baseline"],
                                                    model=probe.model_name, min_bytes=None)
     on_gpu = fields["metrics"]["cpu_tracked_peak_bytes"] is None
@@ -444,7 +444,7 @@ PACKAGE = [
                           "gates.Report.record_fields", "gates.strategy_table"),
            "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks, the CUDA "
            "context and the bytes per sequence in the performance stage; accept / tune / no-gain", check_gates, 8),
-    Branch("scenarios.measured", ("scenarios.measure_matrix", "scenarios._allocator_probe"),
+    Branch("scenarios.measured", ("ledger.compare.measure_matrix", "ledger.compare._allocator_probe"),
            "the scenario matrix measured with the allocator's peaks after the backward and after the step (CPU: tracked bytes)",
            check_scenarios, 5),
     Branch("strategy_records", ("strategy_records.StrategyRun.record_fields", "strategy_records.ledger_fields"),

@@ -14,11 +14,11 @@ Read it one file at a time, in this order:
     inventory.py    what one layer saves for its backward, SDPA kernel by kernel
     states.py       every state of one step: the byte formulas
     book.py         the Ledger: live bytes per tick, peaks, offload, lifecycles
-    scenarios.py    the scenario matrix and the optimizer variants
+    scenarios.py    the scenario matrix (strategy × update × optimizer step) and the update's variants
     zero.py         the per-device projection over N data-parallel devices (ZeRO stages, FSDP2)
     allocator.py    what `allocated` cannot see: CUDA's caching allocator, context, cuBLAS workspace
     formulas.py     published formulas beside it: ZeRO, Korthikanti, DeepSpeed's estimators
-    compare.py      predicted vs measured at one point
+    compare.py      predicted vs measured: at one point, and the scenario matrix's cells
     peers.py        the benchmark: the ledger, accelerate and DeepSpeed against the same measurements
     cli.py          python -m trainmech ledger
 """
@@ -28,14 +28,16 @@ from trainmech.ledger.book import Ledger, Peak, training_state_lifecycle
 from trainmech.ledger.categories import BATCH_STATES, CATEGORIES, CATEGORY_ZH, MODEL_STATES
 from trainmech.ledger.cli import build_parser, main, render
 from trainmech.ledger.clock import AFTER, BEFORE, LAYER_BACKWARD_MOMENTS, State, phase_of, ticks
-from trainmech.ledger.compare import CPU_POINTS, CUDA_POINTS, Comparison, measure_point, measured_bytes_per_param, padded_batch
+from trainmech.ledger.compare import (CPU_POINTS, CUDA_POINTS, Comparison, Measured, measure_matrix, measure_point,
+                                     measured_bytes_per_param, measured_peaks, measured_saved_after_forward, padded_batch,
+                                     tracked_step)
 from trainmech.ledger.formulas import (deepspeed_zero2_gpu_bytes, deepspeed_zero3_gpu_bytes, korthikanti_activation_bytes,
                                        zero_bytes_per_device, zero_communication_volume)
 from trainmech.ledger.inventory import ATTENTION, DEVICES, SavedTensor, attention_kernel, layer_saved
 from trainmech.ledger.peers import benchmark
 from trainmech.ledger.recipes import FP32_BYTES, INDEX_BYTES, RECIPES, Recipe, recipe
+from trainmech.ledger.scenarios import Scenario, scenario_ledger, scenario_matrix
 from trainmech.ledger.shape import SUPPORTED_MODEL_TYPES, ModelShape, load_config, model_shape
-from trainmech.ledger.scenarios import scenario_matrix
 from trainmech.ledger.states import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS
 
 __all__ = [
@@ -45,5 +47,6 @@ __all__ = [
     "zero_bytes_per_device", "zero_communication_volume", "ATTENTION", "DEVICES", "SavedTensor", "attention_kernel",
     "layer_saved", "FP32_BYTES", "INDEX_BYTES", "RECIPES", "Recipe", "recipe", "SUPPORTED_MODEL_TYPES", "ModelShape",
     "load_config", "model_shape", "CHECKPOINTING", "OPTIMIZER_IMPLS", "OPTIMIZERS", "allocator", "scenarios", "zero",
-    "build_parser", "main", "render", "benchmark", "scenario_matrix",
+    "build_parser", "main", "render", "benchmark", "Scenario", "scenario_ledger", "scenario_matrix", "Measured",
+    "measure_matrix", "measured_peaks", "measured_saved_after_forward", "tracked_step",
 ]

@@ -2,11 +2,14 @@
 
     first, steady = measure_point("qwen2-small", 2, 128)     # a Comparison each: predicted, measured, error
     benchmark()                                              # every CPU point, with the peers' estimates beside
+    measure_matrix(model, batch, initial, strategies=…, optimizers=…)   # the scenario matrix's cells, measured
+
+torch and trainmech.measure are imported inside the functions that run a model: the ledger itself imports without them.
 """
 
 from __future__ import annotations
 
-import contextlib
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,7 +138,7 @@ def measure_point(model: str, batch: int, seq: int, *, run_mode: str = "cpu", se
     try:
         for step in steps:
             for k in range(1, micro_batches + 1):
-                with sdpa_kernel(backends[attention]) if attention in backends else contextlib.nullcontext():
+                with sdpa_kernel(backends[attention]) if attention in backends else nullcontext():
                     measured = measure.training_step_memory(
                         built.model, optimizer, data, grads_at_start=k > 1 or (not set_to_none and step != "first"),
                         update=k == micro_batches, set_to_none=set_to_none, autocast=autocast)
@@ -161,3 +164,85 @@ def measured_bytes_per_param(model: str, dtype: str, *, run_mode: str = "cpu", s
     moments = step.by_category(len(step.live) - 1)["optimizer_states"] - counters
     total = step.baseline["parameters"] + gradients + moments
     return total // shape.n_params if total % shape.n_params == 0 else total / shape.n_params
+
+
+# ----------------------------------------------------------------------------- the scenario matrix, measured
+
+
+UPDATE_TICKS = ("optimizer", "zero_grad")  # a tracked step's events after its backward
+
+
+def measured_peaks(step_memory) -> tuple[int, int]:
+    """(forward + backward peak, whole-update peak) of a tracked step (trainmech.measure.StepMemory), in
+    tracked tensor bytes with the baseline the step started from."""
+    base = sum(step_memory.baseline.values())
+    before_update = [live for live, phase in zip(step_memory.live, step_memory.phases) if phase not in UPDATE_TICKS]
+    return base + max(before_update), step_memory.peak_bytes
+
+
+def measured_saved_after_forward(step_memory) -> int:
+    """Saved bytes alive at the last event of a tracked step's forward (the loss included)."""
+    last = max(k for k, phase in enumerate(step_memory.phases) if phase.startswith(("forward", "loss")))
+    return step_memory.by_category(last)["saved"]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One scenario measured: tracked tensor bytes (any device), and the CUDA allocator's peaks (None elsewhere)."""
+
+    forward_backward_bytes: int
+    whole_bytes: int
+    forward_backward_allocated: int | None = None
+    whole_allocated: int | None = None
+    whole_reserved: int | None = None
+
+
+def tracked_step(model, optimizer, batch: dict, context=None):
+    """One tracked training step (trainmech.measure.training_step_memory) inside `context(model)`, if given."""
+    from trainmech import measure
+
+    with context(model) if context is not None else nullcontext():
+        return measure.training_step_memory(model, optimizer, batch)
+
+
+def measure_matrix(model, batch: dict, initial: dict, *, strategies: dict, optimizers: dict) -> dict[tuple, Measured]:
+    """Each (strategy, update, optimizer): a fresh optimizer from `optimizers[name](params)` on the initial weights,
+    then the first update and a steady one, each tracked; on CUDA the same two updates again, untracked, with
+    the allocator's peaks read after the backward and after the step. strategies: name -> (model -> context) or None."""
+    device = next(model.parameters()).device
+    out = {}
+    for opt_name, make in optimizers.items():
+        for name, context in strategies.items():
+            model.load_state_dict(initial)
+            model.zero_grad(set_to_none=True)
+            optimizer = make(model.parameters())
+            tracked = [measured_peaks(tracked_step(model, optimizer, batch, context)) for _ in STEPS]
+            getattr(optimizer, "remove", lambda: None)()
+            probes = [(None, None, None)] * len(STEPS)
+            if device.type == "cuda":
+                model.load_state_dict(initial)
+                optimizer = make(model.parameters())
+                probes = [_allocator_probe(model, optimizer, batch, context) for _ in STEPS]
+                getattr(optimizer, "remove", lambda: None)()
+            for update, (fb, whole), probe in zip(STEPS, tracked, probes):
+                out[(name, update, opt_name)] = Measured(fb, whole, *probe)
+    model.load_state_dict(initial)
+    return out
+
+
+def _allocator_probe(model, optimizer, batch: dict, context) -> tuple[int, int, int]:
+    """CUDA: (forward + backward allocated peak, whole-update allocated peak, whole-update reserved peak) of one update."""
+    import torch
+
+    from trainmech import measure
+
+    device = next(model.parameters()).device
+    torch.cuda.empty_cache()
+    measure.reset_cuda_peaks(device)
+    with context(model) if context is not None else nullcontext():
+        model(**batch, use_cache=False).loss.backward()
+    forward_backward = measure.cuda_peaks(device)["peak_allocated_bytes"]
+    optimizer.step()
+    whole = measure.cuda_peaks(device)
+    optimizer.zero_grad(set_to_none=True)
+    return forward_backward, whole["peak_allocated_bytes"], whole["peak_reserved_bytes"]

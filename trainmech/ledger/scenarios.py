@@ -1,37 +1,60 @@
 """The questions a peak raises, answered by the ledger side by side.
 
-`scenario_matrix`: for each strategy (baseline, full activation checkpointing, activation offload),
-the first update (AdamW creates its states) and a steady one, the peak of the whole update and the
-peak of its forward + backward only. A strategy changes saved tensors, so it can only lower a peak
-that sits in the forward or backward; when the whole-update peak sits in the optimizer step, the
-same strategy changes it by nothing. `variants`: the update's own options on the steady
-whole-update peak (AdamW implementations, optimizer-in-backward, zero_grad, accumulation, autocast).
+A memory strategy acts on saved tensors, so it can only lower a peak that sits in the forward or
+backward; whether the whole update's peak falls with it depends on what else peaks: on the first
+update AdamW has no moments yet, on a steady one a foreach step holds every gradient, both moments
+and one temporary per parameter at once. These views re-time the states of a `Ledger` (nothing is
+re-derived) and put the cases side by side:
+
+    scenario_ledger(config, b, s, strategy=…, update=…, optimizer_step=…)   one case's Ledger
+    scenario_matrix(config, b, s, optimizer_steps=(…))   strategy × first / steady update × optimizer step, as Scenario rows
+    render_matrix(rows)       one line per strategy: both peaks of the first and the steady update (Task4)
+    render_rows(rows, …)      one line per scenario, optionally beside its measurement (Task5)
+    variants(config, b, s)    the update's own options on the steady whole-update peak
+
+Measuring the same cells (`measure_matrix`, `measured_peaks`) lives beside the other measurements in
+`trainmech.ledger.compare`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+from trainmech.errors import TrainmechError
 from trainmech.ledger.book import Ledger, Peak, training_state_lifecycle
 from trainmech.ledger.recipes import recipe
 from trainmech.ledger.shape import model_shape
 
+__all__ = ["STRATEGIES", "UPDATES", "OPTIMIZER_STEPS", "VARIANTS", "Scenario", "offload_min_bytes", "scenario_ledger",
+           "scenario_matrix", "change", "drops", "worst_peak_error", "bytes_per_row", "render_matrix", "render_rows",
+           "window_peak", "variants", "render_measured"]
+
 STRATEGIES = ("baseline", "checkpoint", "offload")
 UPDATES = ("first", "steady")
+# how the optimizer steps, as options of training_state_lifecycle ("default": the device's own choice); which
+# optimizer steps (adamw, sgd, …) is training_state_lifecycle's `optimizer`
+OPTIMIZER_STEPS = {"default": {}, "foreach": {"optimizer_impl": "foreach"}, "for-loop": {"optimizer_impl": "loop"},
+                   "fused": {"optimizer_impl": "fused"}, "in-backward": {"optimizer_in_backward": True}}
 
 
 @dataclass(frozen=True)
 class Scenario:
+    """One cell of the matrix: a strategy on the first or a steady update, with an optimizer step, and its ledger."""
+
     strategy: str
     update: str  # "first" | "steady"
+    optimizer_step: str  # one of OPTIMIZER_STEPS; "default": foreach on CUDA, for-loop on a CPU
     book: Ledger
 
-    @property
+    @cached_property
     def whole(self) -> Peak:
+        """The whole update's peak (forward, backward and the optimizer step)."""
         return self.book.peak_overlap()
 
-    @property
+    @cached_property
     def forward_backward(self) -> Peak:
+        """The peak before the optimizer step."""
         return self.book.forward_backward_peak()
 
 
@@ -40,43 +63,115 @@ def offload_min_bytes(shape, batch: int, seq: int, dtype: str) -> int:
     return batch * seq * shape.hidden_size * recipe(dtype).activation_bytes // 4
 
 
-def scenario_matrix(config, batch: int, seq: int, *, strategies=STRATEGIES, min_bytes: int | None = None,
-                    **options) -> list[Scenario]:
-    """Every (strategy, update) pair; options go to `training_state_lifecycle` (dtype, device, …)."""
+def scenario_ledger(config, batch: int, seq: int, *, strategy: str, update: str, optimizer_step: str = "default",
+                    min_bytes: int | None = None, prefetch_groups: int = 2, exempt_last: int = 1, **options) -> Ledger:
+    """The ledger of one scenario; options go to `training_state_lifecycle` (dtype, device, attention, …).
+    min_bytes (offload): default `offload_min_bytes`."""
+    if strategy not in STRATEGIES or update not in UPDATES:
+        raise TrainmechError(f"strategy must be one of {', '.join(STRATEGIES)} and update one of {', '.join(UPDATES)}, "
+                             f"got {strategy!r}, {update!r}")
+    if optimizer_step not in OPTIMIZER_STEPS:
+        raise TrainmechError(f"unknown optimizer step {optimizer_step!r}; valid: {', '.join(OPTIMIZER_STEPS)}")
     shape = model_shape(config)
-    dtype = options.get("dtype", "fp32")
-    min_bytes = min_bytes if min_bytes is not None else offload_min_bytes(shape, batch, seq, dtype)
-    out = []
-    for strategy in strategies:
-        for update in UPDATES:
-            book = training_state_lifecycle(shape, batch, seq, first_step=update == "first",
-                                            checkpointing="full" if strategy == "checkpoint" else "none", **options)
-            out.append(Scenario(strategy, update, book.offloaded(min_bytes) if strategy == "offload" else book))
-    return out
+    book = training_state_lifecycle(shape, batch, seq, first_step=update == "first",
+                                    checkpointing="full" if strategy == "checkpoint" else "none",
+                                    **{**options, **OPTIMIZER_STEPS[optimizer_step]})
+    if strategy == "offload":
+        if min_bytes is None:
+            min_bytes = offload_min_bytes(shape, batch, seq, options.get("dtype", "fp32"))
+        book = book.offloaded(min_bytes, prefetch_groups=prefetch_groups, exempt_last=exempt_last)
+    return book
 
 
-def change(rows: list[Scenario], strategy: str, update: str, which: str = "whole") -> float:
-    """(strategy − baseline) / baseline of one peak (`whole` or `forward_backward`)."""
-    pick = {(r.strategy, r.update): getattr(r, which).bytes for r in rows}
-    return pick[(strategy, update)] / pick[("baseline", update)] - 1
+def scenario_matrix(config, batch: int, seq: int, *, strategies=STRATEGIES, updates=UPDATES, optimizer_steps=("default",),
+                    **options) -> list[Scenario]:
+    """Every (optimizer step, update, strategy) scenario, in that nesting; options as `scenario_ledger`."""
+    shape = model_shape(config)
+    return [Scenario(strategy, update, step, scenario_ledger(shape, batch, seq, strategy=strategy, update=update,
+                                                             optimizer_step=step, **options))
+            for step in optimizer_steps for update in updates for strategy in strategies]
+
+
+def _peak_bytes(row: Scenario, which: str) -> int:
+    return getattr(row, which).bytes
+
+
+def _ratio(rows: list[Scenario], strategy: str, update: str, which: str, optimizer_step: str) -> float:
+    """strategy / baseline of one peak (`whole` or `forward_backward`) in the same update and optimizer step."""
+    pick = {(r.strategy, r.update, r.optimizer_step): _peak_bytes(r, which) for r in rows}
+    return pick[(strategy, update, optimizer_step)] / pick[("baseline", update, optimizer_step)]
+
+
+def change(rows: list[Scenario], strategy: str, update: str, which: str = "whole", optimizer_step: str = "default") -> float:
+    """(strategy − baseline) / baseline of one peak (`whole` or `forward_backward`) in the same update and optimizer step."""
+    return _ratio(rows, strategy, update, which, optimizer_step) - 1
+
+
+def drops(rows: list[Scenario], strategy: str) -> dict[tuple[str, str, str], float]:
+    """(update, optimizer step, "fwd+bwd" | "update") -> 1 - the strategy's peak / the baseline's in the same scenario."""
+    return {(r.update, r.optimizer_step, kind): 1 - _ratio(rows, strategy, r.update, which, r.optimizer_step)
+            for r in rows if r.strategy == strategy
+            for kind, which in (("fwd+bwd", "forward_backward"), ("update", "whole"))}
+
+
+def worst_peak_error(rows: list[Scenario], measured_rows: dict) -> float:
+    """The largest |predicted / measured - 1| over both peaks of every row
+    (measured_rows: (strategy, update, optimizer step) -> (fwd+bwd, whole))."""
+    return max(abs(pred / got - 1) for r in rows
+               for pred, got in zip((r.forward_backward.bytes, r.whole.bytes), measured_rows[(r.strategy, r.update, r.optimizer_step)]))
+
+
+END_OF_FORWARD = "forward.head:lm_head"  # the tick the logits exist: what a micro-batch keeps alive by then grows with it
+
+
+def bytes_per_row(config, rows: int, seq: int, *, strategy: str, **options) -> int:
+    """The ledger's capacity slope: what one more sequence adds to the bytes alive at the end of a micro-batch's
+    forward, (alive with 2·rows - with rows) / rows, on a steady update; options as `scenario_ledger`."""
+    def alive(b):
+        book = scenario_ledger(config, b, seq, strategy=strategy, update="steady", **options)
+        return sum(dict(book.live())[END_OF_FORWARD].values())
+
+    return (alive(2 * rows) - alive(rows)) // rows
 
 
 def render_matrix(rows: list[Scenario], unit: float = 2**30, unit_name: str = "GiB") -> str:
-    """One line per strategy: first-update and steady peaks, forward+backward and whole, with their change and tick."""
+    """One line per strategy (and optimizer step, when there are several): first-update and steady peaks,
+    forward+backward and whole, with their change against the baseline and the whole-update peak's tick."""
     head = (f"{'strategy':<11}{'first: fwd+bwd':>16}{'whole update':>24}{'steady: fwd+bwd':>17}{'whole update':>24}   "
             "whole-update peak tick (first / steady)")
+    several = len({r.optimizer_step for r in rows}) > 1
     lines = [head]
-    for strategy in dict.fromkeys(r.strategy for r in rows):
-        cells, ticks_ = [], []
+    for strategy, step in dict.fromkeys((r.strategy, r.optimizer_step) for r in rows):
+        cells, ticks = [], []
         for update in UPDATES:
-            r = next(x for x in rows if (x.strategy, x.update) == (strategy, update))
-            fb, whole = r.forward_backward.bytes, r.whole.bytes
-            fb_change = "" if strategy == "baseline" else f"{change(rows, strategy, update, 'forward_backward'):+.1%}"
-            whole_change = "" if strategy == "baseline" else f"{change(rows, strategy, update):+.1%}"
-            cells += [f"{fb / unit:>9.2f}{fb_change:>7}", f"{whole / unit:>17.2f}{whole_change:>7}"]
-            ticks_.append(r.whole.tick)
-        lines.append(f"{strategy:<11}" + "".join(cells) + f"   {ticks_[0]} / {ticks_[1]}")
+            r = next(x for x in rows if (x.strategy, x.update, x.optimizer_step) == (strategy, update, step))
+            changes = ["" if strategy == "baseline" else f"{change(rows, strategy, update, which, step):+.1%}"
+                       for which in ("forward_backward", "whole")]
+            cells += [f"{r.forward_backward.bytes / unit:>9.2f}{changes[0]:>7}", f"{r.whole.bytes / unit:>17.2f}{changes[1]:>7}"]
+            ticks.append(r.whole.tick)
+        label = f"{strategy} ({step})" if several else strategy
+        lines.append(f"{label:<11}" + "".join(cells) + f"   {ticks[0]} / {ticks[1]}")
     return "\n".join(lines) + f"\n(peaks in {unit_name}; the changes are against the baseline of the same column)"
+
+
+def render_rows(rows: list[Scenario], *, unit: int = 2**30, unit_name: str = "GiB", measured_rows: dict | None = None) -> str:
+    """One line per scenario, each peak with its change against the baseline of the same update and optimizer step;
+    `measured_rows` ((strategy, update, optimizer step) -> (fwd+bwd, whole)) adds the measured columns."""
+    base = {(r.update, r.optimizer_step): r for r in rows if r.strategy == "baseline"}
+    head = f"{'strategy':<11}{'update':<8}{'optimizer':<13}{'fwd+bwd peak':>16}{'change':>8}{'update peak':>16}{'change':>8}  peak at"
+    lines = [head + ("" if measured_rows is None else f"{'measured fwd+bwd':>19}{'measured update':>17}")]
+    for r in rows:
+        b = base.get((r.update, r.optimizer_step))
+        cells = []
+        for which in ("forward_backward", "whole"):
+            value = _peak_bytes(r, which)
+            cells.append(f"{value / unit:>12.2f} {unit_name}" + (f"{value / _peak_bytes(b, which) - 1:>+8.1%}" if b else f"{'':>8}"))
+        line = f"{r.strategy:<11}{r.update:<8}{r.optimizer_step:<13}{cells[0]}{cells[1]}  {r.whole.phase}"
+        if measured_rows is not None:
+            fb, whole = measured_rows[(r.strategy, r.update, r.optimizer_step)]
+            line += f"{fb / unit:>15.2f} {unit_name}{whole / unit:>13.2f} {unit_name}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def window_peak(config, batch: int, seq: int, micro_batches: int, **options) -> Peak:
@@ -100,8 +195,8 @@ VARIANTS = {
 def variants(config, batch: int, seq: int, *, micro_batches: int = 2, **options) -> dict[str, Peak]:
     """The steady whole-update peak under each update option, and under `micro_batches` micro-batches of
     batch / micro_batches sequences (the same effective batch, accumulated)."""
-    out = {name: training_state_lifecycle(config, batch, seq, **{**options, **change_}).peak_overlap()
-           for name, change_ in VARIANTS.items()}
+    out = {name: training_state_lifecycle(config, batch, seq, **{**options, **option}).peak_overlap()
+           for name, option in VARIANTS.items()}
     if micro_batches > 1 and batch % micro_batches == 0:
         out[f"{micro_batches} micro-batches of {batch // micro_batches}"] = window_peak(
             config, batch // micro_batches, seq, micro_batches, **options)

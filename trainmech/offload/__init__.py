@@ -3,12 +3,15 @@
 - `book`: the bookkeeping — what moves, what is shared, when a device copy may go, when to fetch;
 - `copies`: the CUDA copy path (cached side streams, events, one pinned arena) and its CPU stand-in;
 - `hooks`: `ActivationOffload`, the saved-tensor hooks that join the two, and `restore_check`;
-- `save_on_cpu`: torch's own `save_on_cpu`, counted, as the simple baseline.
+- `save_on_cpu`: torch's own `save_on_cpu`, counted, as the simple baseline;
+- `nominal`: compute or transfer — datasheet link and FP32 rates, and one step's FLOPs.
 """
 
 from trainmech.offload.book import OffloadBook, TransferStats
 from trainmech.offload.copies import HostArena, host_arena
 from trainmech.offload.hooks import ActivationOffload, restore_check
+from trainmech.offload.nominal import NOMINAL, step_flops
 from trainmech.offload.save_on_cpu import CountingSaveOnCpu
 
-__all__ = ["ActivationOffload", "CountingSaveOnCpu", "HostArena", "OffloadBook", "TransferStats", "host_arena", "restore_check"]
+__all__ = ["ActivationOffload", "CountingSaveOnCpu", "HostArena", "NOMINAL", "OffloadBook", "TransferStats", "host_arena",
+           "restore_check", "step_flops"]
