@@ -49,6 +49,8 @@ portability: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m trainmech lint
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # The browser opens Task0, and so does the printed address; the file browser reaches the whole
 # repository (results/, notebooks/reference/). The project's Jupyter settings (.jupyter/: Markdown

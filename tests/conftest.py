@@ -11,9 +11,18 @@ import torch
 
 # A tiny real Qwen2ForCausalLM: small enough for exact float64 comparisons and bitwise CPU replays,
 # with grouped-query attention (4 heads over 2 KV heads) and tied embeddings like Qwen2.5-0.5B.
-TINY_QWEN2 = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, rope_theta=1e6, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True)
+TINY_QWEN2 = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,9 @@ def run_cells(*sources: str, env: dict[str, str] | None = None, timeout: int = 1
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
     km = AsyncKernelManager(kernel_name="python3", transport_encryption="auto")  # CurveZMQ, as in .jupyter/
     client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, record_timing=False)
-    client.execute(cleanup_kc=True, **({"env": env} if env is not None else {}))   # shut the kernel down: we own km
+    client.execute(
+        cleanup_kc=True, **({"env": env} if env is not None else {})
+    )  # shut the kernel down: we own km
     return nb.cells
 
 

@@ -3,6 +3,7 @@
 Most notebooks write their records with `trainmech.results` alone (a kernel that imports torch
 takes seconds); SESSION makes one start a real session, so its records carry the real environment.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,7 +52,6 @@ RECORDS = {
 }
 
 
-
 def make_notebook(folder: Path, stem: str, cells: list[str], *, parameters: str | None = PARAMETERS) -> Path:
     nb = new_notebook()
     nb.cells.append(new_markdown_cell(f"# {stem}"))
@@ -66,15 +66,27 @@ def make_notebook(folder: Path, stem: str, cells: list[str], *, parameters: str 
 
 def writer(stem: str, semantic_id: str, workload_id: str) -> list[str]:
     """Cells that write one record, then fail when FAIL is set."""
-    return [WRITE.format(notebook=stem), f'write("{semantic_id}", "{workload_id}")\nprint("seed", SEED)',
-            'if FAIL:\n    raise RuntimeError("asked to fail")']
+    return [
+        WRITE.format(notebook=stem),
+        f'write("{semantic_id}", "{workload_id}")\nprint("seed", SEED)',
+        'if FAIL:\n    raise RuntimeError("asked to fail")',
+    ]
 
 
 def three_notebooks(folder: Path) -> Path:
-    make_notebook(folder, "Task0_a", [SESSION.format(notebook="Task0_a"), *writer("Task0_a", "TRAIN-LOOP", "cpu-loop")])
-    make_notebook(folder, "Task1_b", [*writer("Task1_b", "TRAIN-LOCAL-BACKWARD", "cpu-loop")[:2],
-                                      'raise RuntimeError("boom in Task1")', 'print("never reached")'],
-                  parameters='RUN_MODE = "cpu"\nRUN_LABEL = "local"\nSEED = 0\nONLY_HERE = 1')
+    make_notebook(
+        folder, "Task0_a", [SESSION.format(notebook="Task0_a"), *writer("Task0_a", "TRAIN-LOOP", "cpu-loop")]
+    )
+    make_notebook(
+        folder,
+        "Task1_b",
+        [
+            *writer("Task1_b", "TRAIN-LOCAL-BACKWARD", "cpu-loop")[:2],
+            'raise RuntimeError("boom in Task1")',
+            'print("never reached")',
+        ],
+        parameters='RUN_MODE = "cpu"\nRUN_LABEL = "local"\nSEED = 0\nONLY_HERE = 1',
+    )
     make_notebook(folder, "Task2_c", writer("Task2_c", "TRAIN-CHECKPOINT", "cpu-b2s128"))
     (folder / "notes.ipynb").write_text("not a Task notebook", encoding="utf-8")  # ignored by discover
     return folder
@@ -95,9 +107,25 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 def old_run(folder: Path, *, mode: str = "cpu") -> dict[str, bytes]:
     """An earlier complete run of the label, as a run leaves it; returns its bytes."""
     folder.mkdir(parents=True)
-    (folder / "run.json").write_text(json.dumps({"run_label": folder.name, "run_mode": mode, "status": "ok", "notebooks": [
-        {"notebook": "Task0_a", "status": "ok", "seconds": 1.0, "records": ["TRAIN-LOOP__old.json"], "error": None}]}),
-        encoding="utf-8")
+    (folder / "run.json").write_text(
+        json.dumps(
+            {
+                "run_label": folder.name,
+                "run_mode": mode,
+                "status": "ok",
+                "notebooks": [
+                    {
+                        "notebook": "Task0_a",
+                        "status": "ok",
+                        "seconds": 1.0,
+                        "records": ["TRAIN-LOOP__old.json"],
+                        "error": None,
+                    }
+                ],
+            }
+        ),
+        encoding="utf-8",
+    )
     (folder / "TRAIN-LOOP__old.json").write_text('{"old": true}', encoding="utf-8")
     (folder / "REGISTRY.md").write_text("# old\n", encoding="utf-8")
     (folder / "notebooks").mkdir()
@@ -110,18 +138,26 @@ def run(notebooks: Path, root: Path, label: str = LABEL, **kwargs) -> int:
     return runner.run("cpu", label, notebooks_dir=notebooks, results_root=root, progress=False, **kwargs)
 
 
-
-SLEEPER = ["import os, time\nfrom pathlib import Path\nPath(MARKER).write_text(str(os.getpid()))\ntime.sleep(600)"]
+SLEEPER = [
+    "import os, time\nfrom pathlib import Path\nPath(MARKER).write_text(str(os.getpid()))\ntime.sleep(600)"
+]
 
 
 def start_cli(cwd: Path, notebooks: str, root: str, *args: str) -> subprocess.Popen:
     """python -m trainmech run … with the runner pointed at a throw-away notebooks folder and results root
     (paths relative to cwd: the kernels run elsewhere, in the notebooks' folder)."""
-    code = ("import sys; from pathlib import Path; from trainmech import runner, __main__\n"
-            "runner.NOTEBOOKS_DIR, runner.RESULTS_ROOT = Path(sys.argv[1]), Path(sys.argv[2])\n"
-            "sys.exit(__main__.main(sys.argv[3:]))")
-    return subprocess.Popen([sys.executable, "-c", code, notebooks, root, "run", "--label", LABEL, *args],
-                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code = (
+        "import sys; from pathlib import Path; from trainmech import runner, __main__\n"
+        "runner.NOTEBOOKS_DIR, runner.RESULTS_ROOT = Path(sys.argv[1]), Path(sys.argv[2])\n"
+        "sys.exit(__main__.main(sys.argv[3:]))"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, notebooks, root, "run", "--label", LABEL, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(path: Path, process: subprocess.Popen, seconds: float = 90) -> str:
@@ -131,7 +167,6 @@ def wait_for(path: Path, process: subprocess.Popen, seconds: float = 90) -> str:
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.1)
     return path.read_text()
-
 
 
 def running(pid: int) -> bool:

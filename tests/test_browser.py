@@ -41,8 +41,15 @@ ARTIFACTS = REPO / "tests" / "artifacts" / "browser"
 TASK0 = "notebooks/Task0_training_loop.ipynb"
 # As root on a machine with no network but the package registries: no sandbox, no background
 # connections (update checks, sync, field trials) that would be refused by the closed network.
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def _why_not() -> str | None:
@@ -51,7 +58,9 @@ def _why_not() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        return "browser test skipped: the Python package playwright is not installed (pip install -e '.[test]')"
+        return (
+            "browser test skipped: the Python package playwright is not installed (pip install -e '.[test]')"
+        )
     return None
 
 
@@ -73,30 +82,56 @@ def _free_port() -> int:
 def lab(tmp_path_factory):
     """`make lab` on a copy of the notebooks; yields (url make lab opens, server root, log path)."""
     root = tmp_path_factory.mktemp("lab")
-    shutil.copytree(REPO / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    home = root / ".home"   # a clean Jupyter user: no personal settings, workspaces or runtime files
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
-               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    for inherited in ("JPY_SESSION_NAME", "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):   # under `make test`, make lab is not a sub-make
+    shutil.copytree(
+        REPO / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints")
+    )
+    home = root / ".home"  # a clean Jupyter user: no personal settings, workspaces or runtime files
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(home / "config"),
+        JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(home / "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    for inherited in (
+        "JPY_SESSION_NAME",
+        "MAKEFLAGS",
+        "MFLAGS",
+        "MAKELEVEL",
+    ):  # under `make test`, make lab is not a sub-make
         env.pop(inherited, None)
     venv = Path(sys.executable).parent.parent
     port = _free_port()
     log = root / "lab.log"
-    cmd = ["make", "-s", "-C", str(REPO), "-o", f"{venv}/.installed", "lab", f"VENV={venv}", f"LAB_ROOT={root}",
-           f"LAB_ARGS=--no-browser --port={port} --ServerApp.port_retries=0"]
+    cmd = [
+        "make",
+        "-s",
+        "-C",
+        str(REPO),
+        "-o",
+        f"{venv}/.installed",
+        "lab",
+        f"VENV={venv}",
+        f"LAB_ROOT={root}",
+        f"LAB_ARGS=--no-browser --port={port} --ServerApp.port_retries=0",
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while not (opened := list((home / "runtime").glob("jpserver-[0-9]*-open.html"))):   # what the browser opens
-            assert proc.poll() is None and time.monotonic() < deadline, f"make lab did not start:\n{log.read_text()[-3000:]}"
+        while not (
+            opened := list((home / "runtime").glob("jpserver-[0-9]*-open.html"))
+        ):  # what the browser opens
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                f"make lab did not start:\n{log.read_text()[-3000:]}"
+            )
             time.sleep(0.3)
         url = re.search(r'href="([^"]+)"', opened[0].read_text()).group(1)
-        urllib.request.urlopen(url, timeout=30).close()   # serving
+        urllib.request.urlopen(url, timeout=30).close()  # serving
         yield url, root, log
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)              # the server shuts its kernels down
+        os.killpg(proc.pid, signal.SIGTERM)  # the server shuts its kernels down
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
@@ -116,7 +151,9 @@ def _wait_idle_and_done(page: Page, timeout_s: float) -> None:
             return prompts.length > 1 && prompts.every(p => !p.textContent.includes('*'))
                 && kernel.some(t => /^Python 3 \\(ipykernel\\) \\| Idle$/.test(t.trim()));
         }""",
-        timeout=timeout_s * 1000, polling=250)
+        timeout=timeout_s * 1000,
+        polling=250,
+    )
 
 
 def _code_cell(page: Page, source_text: str):
@@ -144,7 +181,7 @@ def _run_check(page: Page, check_cell, expect_text: str) -> str:
 def test_a_learner_session_in_jupyterlab(lab):
     url, root, log = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    assert urlparse(url).path == f"/lab/tree/{TASK0}", url   # make lab opens Task0
+    assert urlparse(url).path == f"/lab/tree/{TASK0}", url  # make lab opens Task0
     from trainmech import solutions
 
     started = time.monotonic()
@@ -157,8 +194,14 @@ def test_a_learner_session_in_jupyterlab(lab):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS)
         context = browser.new_context(viewport={"width": 1400, "height": 900}, locale="zh-CN")
-        context.on("request", lambda r: remote.append(r.url)
-                   if urlparse(r.url).hostname not in (None, "", "localhost", "127.0.0.1", "[::1]", "::1") else None)
+        context.on(
+            "request",
+            lambda r: (
+                remote.append(r.url)
+                if urlparse(r.url).hostname not in (None, "", "localhost", "127.0.0.1", "[::1]", "::1")
+                else None
+            ),
+        )
         page = context.new_page()
         try:
             page.goto(url)
@@ -171,8 +214,12 @@ def test_a_learner_session_in_jupyterlab(lab):
             page.get_by_role("menuitem", name="Kernel", exact=True).click()
             page.get_by_role("menuitem", name=re.compile("^Restart Kernel and Run All Cells")).click()
             page.locator(".jp-Dialog .jp-mod-accept").click()
-            page.wait_for_function("() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
-                                   ".some(p => p.textContent.includes('*'))", timeout=30_000, polling=100)
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
+                ".some(p => p.textContent.includes('*'))",
+                timeout=30_000,
+                polling=100,
+            )
             _wait_idle_and_done(page, 120)
             step("Restart Kernel and Run All Cells: done")
             page.keyboard.press("Control+s")
@@ -186,7 +233,9 @@ def test_a_learner_session_in_jupyterlab(lab):
             assert figures.first.evaluate("img => img.naturalWidth") > 100, "the figure did not load"
 
             # the saved notebook: every code cell ran, none failed
-            expect(page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-mod-dirty")).to_have_count(0, timeout=10_000)
+            expect(page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-mod-dirty")).to_have_count(
+                0, timeout=10_000
+            )
             saved = json.loads((root / TASK0).read_text(encoding="utf-8"))
             code = [c for c in saved["cells"] if c["cell_type"] == "code"]
             assert all(c["execution_count"] for c in code), "Run All stopped before the last cell"
@@ -194,35 +243,49 @@ def test_a_learner_session_in_jupyterlab(lab):
             assert not errors, errors
 
             # exercise 0.1: decay applied outside the momentum, then the reference answer
-            answer = _code_cell(page, "def sgd_momentum_update(theta, grad, buf, *, lr, momentum, weight_decay):")
-            check = _code_cell(page, 'trainmech.exercises.check("task0.sgd_momentum_update", sgd_momentum_update)')
+            answer = _code_cell(
+                page, "def sgd_momentum_update(theta, grad, buf, *, lr, momentum, weight_decay):"
+            )
+            check = _code_cell(
+                page, 'trainmech.exercises.check("task0.sgd_momentum_update", sgd_momentum_update)'
+            )
             expect(answer).to_have_count(1)
             expect(check).to_have_count(1)
-            _type_into(page, answer, "def sgd_momentum_update(theta, grad, buf, *, lr, momentum, weight_decay):\n"
-                                     "    buf = grad.clone() if buf is None else momentum * buf + grad\n"
-                                     "    return theta - lr * (buf + weight_decay * theta), buf\n")
+            _type_into(
+                page,
+                answer,
+                "def sgd_momentum_update(theta, grad, buf, *, lr, momentum, weight_decay):\n"
+                "    buf = grad.clone() if buf is None else momentum * buf + grad\n"
+                "    return theta - lr * (buf + weight_decay * theta), buf\n",
+            )
             wrong = _run_check(page, check, "未通过")
             step("exercise 0.1, wrong answer checked")
             _shot(page, "3-exercise-wrong")
             assert "✗" in wrong and "没有先加进梯度、进入动量" in wrong and "漏了权重衰减" not in wrong, wrong
             assert "ClaimFailed" in wrong and "Traceback" not in wrong and "__init__.py" not in wrong, wrong
-            assert len(wrong.splitlines()) < 12, wrong   # the diagnosis and a two-line error, no wall
+            assert len(wrong.splitlines()) < 12, wrong  # the diagnosis and a two-line error, no wall
 
             _type_into(page, answer, inspect.getsource(solutions.sgd_momentum_update))
             right = _run_check(page, check, "通过：")
             step("exercise 0.1, right answer checked")
             _shot(page, "4-exercise-right")
             assert "✗" not in right and "ClaimFailed" not in right, right
-            assert check.locator(".jp-OutputArea-executeResult").count() == 0, "a stray Out[n] after the check"
+            assert check.locator(".jp-OutputArea-executeResult").count() == 0, (
+                "a stray Out[n] after the check"
+            )
 
             # a progress bar, as notebooks will show in long loops
             page.keyboard.press("Escape")
             page.keyboard.press("b")
             page.keyboard.press("Enter")
-            page.keyboard.insert_text("from trainmech.display import progress\nfor _ in progress(range(3), desc='updates'):\n    pass")
+            page.keyboard.insert_text(
+                "from trainmech.display import progress\nfor _ in progress(range(3), desc='updates'):\n    pass"
+            )
             page.keyboard.press("Shift+Enter")
             expect(panel.locator(".widget-hprogress")).to_have_count(1, timeout=30_000)
-            expect(panel.locator(".widget-html-content").filter(has_text="3/3")).to_have_count(1, timeout=30_000)
+            expect(panel.locator(".widget-html-content").filter(has_text="3/3")).to_have_count(
+                1, timeout=30_000
+            )
             step("progress bar shown")
             _shot(page, "5-progress-bar")
 
@@ -236,7 +299,6 @@ def test_a_learner_session_in_jupyterlab(lab):
             assert page.locator(".jp-FileEditor:not(.lm-mod-hidden)").count() == 0
             step("reference page rendered")
             _shot(page, "6-reference-rendered")
-
 
             # the file browser reaches the server's root, above notebooks/ (make lab serves the repository root)
             page.locator(".jp-BreadCrumbs-home").click()
@@ -263,9 +325,13 @@ def test_a_citation_link_lands_on_the_cited_cell(lab):
     url, _, _ = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     parts = urlparse(url)
-    page_url = parts._replace(path="/lab/tree/notebooks/reference/formulas.md",
-                              query="&".join(filter(None, [parts.query, "reset"]))).geturl()
-    cited_nb, cited_id = "Task2_local_backward.ipynb", "model-grad-check"   # far down its notebook: cell 54 of 71
+    page_url = parts._replace(
+        path="/lab/tree/notebooks/reference/formulas.md", query="&".join(filter(None, [parts.query, "reset"]))
+    ).geturl()
+    cited_nb, cited_id = (
+        "Task2_local_backward.ipynb",
+        "model-grad-check",
+    )  # far down its notebook: cell 54 of 71
     cited = json.loads((REPO / "notebooks" / cited_nb).read_text(encoding="utf-8"))
     first_line = next(c for c in cited["cells"] if c["id"] == cited_id)["source"][0].strip()
     with sync_playwright() as pw:
@@ -278,12 +344,16 @@ def test_a_citation_link_lands_on_the_cited_cell(lab):
             link = viewer.locator(f'a[href*="{cited_nb}"][href$="#cell-id={cited_id}"]').first
             expect(link).to_have_text(f"Task2 · {cited_id}")
             link.click()
-            expect(page.locator(".lm-TabBar-tab.lm-mod-current", has_text=cited_nb)).to_have_count(1, timeout=30_000)
+            expect(page.locator(".lm-TabBar-tab.lm-mod-current", has_text=cited_nb)).to_have_count(
+                1, timeout=30_000
+            )
             notebook = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
             active = notebook.locator(".jp-Cell.jp-mod-active")
             expect(active.locator(".jp-InputArea")).to_contain_text(first_line, timeout=30_000)
             expect(active).to_be_in_viewport(timeout=10_000)
-            expect(notebook.locator(".jp-MarkdownCell h1").first).not_to_be_in_viewport()   # not left at the top
+            expect(
+                notebook.locator(".jp-MarkdownCell h1").first
+            ).not_to_be_in_viewport()  # not left at the top
             _shot(page, "7-citation-landed")
         except Exception:
             _shot(page, "failure-citation")

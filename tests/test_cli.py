@@ -1,4 +1,5 @@
 """The command line (python -m trainmech): refusals are one line without a traceback; help works."""
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,11 @@ def cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRAINMECH_RESULTS_DIR": str(tmp_path / "records")}
     return subprocess.run(
         [sys.executable, "-m", "trainmech", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -78,9 +83,29 @@ def test_run_refuses_bad_arguments_in_one_line(tmp_path, args, words):
         (["run", "--jobs", "0"], ["--jobs", "positive"]),
         (["run", "--jobs", "two"], ["--jobs", "'two'"]),
     ],
-    ids=["label-dot", "only", "param", "registry-label", "label-schema-file", "label-long", "label-partial",
-         "timeout-nan", "timeout-inf", "timeout-negative", "timeout-word", "param-unknown", "param-keyword",
-         "param-builtin", "param-run-label", "param-inf", "param-word", "param-twice", "param-huge", "jobs-zero", "jobs-word"],
+    ids=[
+        "label-dot",
+        "only",
+        "param",
+        "registry-label",
+        "label-schema-file",
+        "label-long",
+        "label-partial",
+        "timeout-nan",
+        "timeout-inf",
+        "timeout-negative",
+        "timeout-word",
+        "param-unknown",
+        "param-keyword",
+        "param-builtin",
+        "param-run-label",
+        "param-inf",
+        "param-word",
+        "param-twice",
+        "param-huge",
+        "jobs-zero",
+        "jobs-word",
+    ],
 )
 def test_main_refuses_bad_arguments_in_one_line(capsys, args, words):
     """The same path in-process (fast): main() returns 2 and prints one `trainmech: error:` line."""
@@ -120,8 +145,20 @@ def test_run_help_describes_its_options(tmp_path):
     out = cli("run", "--help", tmp_path=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m trainmech run")
-    for word in ("--mode", "--label", "--only", "cpu", "TRAIN-CUDA-MECHANISM", "--timeout", "--jobs", "--benchmark-jobs",
-                 ".partial", "merges", "Ctrl-C", "130 / 143"):
+    for word in (
+        "--mode",
+        "--label",
+        "--only",
+        "cpu",
+        "TRAIN-CUDA-MECHANISM",
+        "--timeout",
+        "--jobs",
+        "--benchmark-jobs",
+        ".partial",
+        "merges",
+        "Ctrl-C",
+        "130 / 143",
+    ):
         assert word in out.stdout, word
 
 
@@ -162,11 +199,17 @@ def test_registry_lists_invalid_records_and_exits_1(capsys, monkeypatch, tmp_pat
     run = tmp_path / "mine"
     shutil.copytree(REPO / "results" / "cpu-reference", run, ignore=shutil.ignore_patterns("notebooks"))
     for path in run.glob("*__*.json"):  # the committed records, relabelled as this run's
-        path.write_text(path.read_text(encoding="utf-8").replace('"cpu-reference"', '"mine"'), encoding="utf-8")
+        path.write_text(
+            path.read_text(encoding="utf-8").replace('"cpu-reference"', '"mine"'), encoding="utf-8"
+        )
     (run / "TRAIN-LOOP__cpu-loop.json").write_bytes(b"[" * 100_000)
     monkeypatch.setattr(runner, "RESULTS_ROOT", tmp_path)
     assert main(["registry", "--label", "mine"]) == 1
     out = capsys.readouterr().out
     assert "| TRAIN-LOOP / " in out and "no record" in out.split("| TRAIN-LOOP / ")[1].splitlines()[0]
-    assert "cpu-mechanism" in out.split("| TRAIN-CHECKPOINT / ")[1].splitlines()[0]  # the valid records still count
-    assert out.rstrip().endswith("`TRAIN-LOOP__cpu-loop.json`: record TRAIN-LOOP__cpu-loop.json is not readable JSON (nested too deeply)")
+    assert (
+        "cpu-mechanism" in out.split("| TRAIN-CHECKPOINT / ")[1].splitlines()[0]
+    )  # the valid records still count
+    assert out.rstrip().endswith(
+        "`TRAIN-LOOP__cpu-loop.json`: record TRAIN-LOOP__cpu-loop.json is not readable JSON (nested too deeply)"
+    )

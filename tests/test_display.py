@@ -45,8 +45,15 @@ def test_maintainers_can_ask_for_the_full_traceback(monkeypatch):
     assert not hasattr(e, "_render_traceback_")  # IPython then prints its own full traceback
 
 
-@pytest.mark.parametrize("env,mode", [({}, "off"), ({"JPY_SESSION_NAME": "notebooks/Task0.ipynb"}, "off"),
-                                      ({"TRAINMECH_PROGRESS": "bar"}, "bar"), ({"TRAINMECH_PROGRESS": "OFF"}, "off")])
+@pytest.mark.parametrize(
+    "env,mode",
+    [
+        ({}, "off"),
+        ({"JPY_SESSION_NAME": "notebooks/Task0.ipynb"}, "off"),
+        ({"TRAINMECH_PROGRESS": "bar"}, "bar"),
+        ({"TRAINMECH_PROGRESS": "OFF"}, "off"),
+    ],
+)
 def test_progress_outside_a_kernel(monkeypatch, env, mode):
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     monkeypatch.delenv("TRAINMECH_PROGRESS", raising=False)
@@ -71,4 +78,6 @@ def test_progress_in_a_kernel_bar_for_jupyterlab_nothing_for_the_runner():
     assert [(o.output_type, o.get("text")) for o in headless.outputs] == [("stream", "off\n")]
     [lab] = run_cells(cell, env=env | {"JPY_SESSION_NAME": "notebooks/Task0_training_loop.ipynb"})
     assert lab.outputs[0].text == "bar\n"
-    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in lab.outputs[1:]), lab.outputs
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in lab.outputs[1:]), (
+        lab.outputs
+    )

@@ -48,12 +48,12 @@ def sgd_no_decay(theta, grad, buf, *, lr, momentum, weight_decay):
 
 
 def sgd_decay_outside_momentum(theta, grad, buf, *, lr, momentum, weight_decay):
-    buf = grad.clone() if buf is None else momentum * buf + grad   # the momentum never sees λθ
+    buf = grad.clone() if buf is None else momentum * buf + grad  # the momentum never sees λθ
     return theta - lr * (buf + weight_decay * theta), buf
 
 
 def sgd_in_place(theta, grad, buf, *, lr, momentum, weight_decay):
-    grad.add_(theta, alpha=weight_decay)                           # right values, written into the inputs
+    grad.add_(theta, alpha=weight_decay)  # right values, written into the inputs
     buf = grad if buf is None else buf.mul_(momentum).add_(grad)
     return theta.sub_(lr * buf), buf
 
@@ -139,7 +139,9 @@ def window_unshifted(model, micro_batches):
     N, total = 0, 0.0
     for mb in micro_batches:
         logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum")
+        loss = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum"
+        )
         loss.backward()
         N += int((mb["labels"] != -100).sum())  # counted before the causal shift
         total += loss.item()
@@ -152,7 +154,9 @@ def window_never_divided(model, micro_batches):
     total = 0.0
     for mb in micro_batches:
         logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum")
+        loss = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum"
+        )
         loss.backward()  # the sum's gradient, never divided by N
         total += loss.item()
     return total
@@ -160,6 +164,7 @@ def window_never_divided(model, micro_batches):
 
 def lrs_every_attempt(stepped, base_lr, wsd):
     from trainmech.update import wsd_multiplier
+
     lrs = [base_lr * wsd_multiplier(a, **wsd) for a in range(len(stepped))]
     logged = [sum(stepped[: a + 1]) for a in range(len(stepped))]
     return lrs, logged
@@ -208,6 +213,7 @@ def offload_closure(keep):
     def pack(t):
         store[len(store)] = t
         return len(store) - 1
+
     return pack, (lambda i: store[i])
 
 
@@ -223,11 +229,13 @@ def offload_half(keep):
 
     def unpack(p):
         return p.float() if p.dtype == torch.bfloat16 else p
+
     return pack, unpack
 
 
 def checkpoint_plain(fn, x):
     return fn(x)
+
 
 class _SavesOnlyInput(torch.autograd.Function):
     """The forward every checkpoint answer shares; the wrong answers differ in their backward."""
@@ -266,19 +274,30 @@ class _OnlyX(_SavesOnlyInput):
 def checkpoint_only_x(fn, x):
     return _OnlyX.apply(fn, x)
 
+
 def gate_no_floor(ref, cand, rtol):
     errors = {}
     for n, g in ref.items():
-        errors[n] = math.inf if n not in cand else float((cand[n].double() - g.double()).abs().max() / g.double().abs().max())
+        errors[n] = (
+            math.inf
+            if n not in cand
+            else float((cand[n].double() - g.double()).abs().max() / g.double().abs().max())
+        )
     return all(e <= rtol for e in errors.values()), errors
 
+
 def gate_absolute(ref, cand, rtol):
-    errors = {n: (math.inf if n not in cand else float((cand[n].double() - g.double()).abs().max())) for n, g in ref.items()}
+    errors = {
+        n: (math.inf if n not in cand else float((cand[n].double() - g.double()).abs().max()))
+        for n, g in ref.items()
+    }
     return all(e <= rtol for e in errors.values()), errors
+
 
 def gate_max_nan(ref, cand, rtol):
     passed, errors = S.gradient_gate(ref, cand, rtol)
     return not max(errors.values()) > rtol, errors
+
 
 def update_gate_counts_only(ref, cand, expected_lrs):
     eff = sum(s and f for s, f in zip(cand.stepped, cand.finite))
@@ -287,10 +306,14 @@ def update_gate_counts_only(ref, cand, expected_lrs):
         return False, "counts differ"
     return True, "same number of effective updates"
 
+
 def peak_no_vocab_grads(cfg, batch, seq):
     phase, composition = S.predict_peak(cfg, batch, seq)
     if phase == "backward.loss":
-        composition = {**composition, "upstream_grads": composition["upstream_grads"] - 2 * 4 * batch * seq * cfg.vocab_size}
+        composition = {
+            **composition,
+            "upstream_grads": composition["upstream_grads"] - 2 * 4 * batch * seq * cfg.vocab_size,
+        }
     return phase, composition
 
 
@@ -300,7 +323,11 @@ def peak_always_at_the_loss(cfg, batch, seq):
 
 def fsdp_even_split(model, world_size, rank):
     psi = sum(p.numel() for p in model.parameters())
-    return {"parameters": 4 * psi // world_size, "gradients": 4 * psi // world_size, "optimizer_states": 8 * psi // world_size}
+    return {
+        "parameters": 4 * psi // world_size,
+        "gradients": 4 * psi // world_size,
+        "optimizer_states": 8 * psi // world_size,
+    }
 
 
 def fsdp_no_padding(model, world_size, rank):
@@ -310,24 +337,55 @@ def fsdp_no_padding(model, world_size, rank):
 
 
 WRONG = {
-    "task0.sgd_momentum_update": [(sgd_no_decay, "漏了权重衰减"), (sgd_decay_outside_momentum, "没有先加进梯度、进入动量"),
-                                  (sgd_in_place, "原地修改了传入的 `theta`、`grad`")],
+    "task0.sgd_momentum_update": [
+        (sgd_no_decay, "漏了权重衰减"),
+        (sgd_decay_outside_momentum, "没有先加进梯度、进入动量"),
+        (sgd_in_place, "原地修改了传入的 `theta`、`grad`"),
+    ],
     "task0.adamw_first_update": [(adamw_coupled, "耦合进了梯度"), (adamw_no_bias_correction, "偏差校正")],
-    "task1.residual_vjp": [(residual_no_identity, "恒等路径"), (residual_W_not_transposed, "W ū 而不是 Wᵀ ū")],
+    "task1.residual_vjp": [
+        (residual_no_identity, "恒等路径"),
+        (residual_W_not_transposed, "W ū 而不是 Wᵀ ū"),
+    ],
     "task1.tied_embedding_grad": [(tied_head_only, "漏了嵌入查表"), (tied_assign, "index_add_")],
     "task2.rms_norm_backward": [(rms_no_term2, "漏了第二项"), (rms_dw_mean, "取了平均")],
-    "task2.attention_backward": [(attention_group_mean, "取了平均"), (attention_no_scale, "缩放"), (attention_no_group_sum, "要相加")],
+    "task2.attention_backward": [
+        (attention_group_mean, "取了平均"),
+        (attention_no_scale, "缩放"),
+        (attention_no_group_sum, "要相加"),
+    ],
     "task2.cross_entropy_backward": [(ce_divide_by_N, "有效行数")],
-    "task3.streaming_window": [(window_micro_mean, "micro_mean"), (window_unshifted, "没有错位"),
-                              (window_never_divided, "没有把 .grad 除以 N")],
-    "task3.scheduled_lrs": [(lrs_every_attempt, "被跳过的更新也推进了它"), (lrs_logged_attempts, "有效更新次数")],
+    "task3.streaming_window": [
+        (window_micro_mean, "micro_mean"),
+        (window_unshifted, "没有错位"),
+        (window_never_divided, "没有把 .grad 除以 N"),
+    ],
+    "task3.scheduled_lrs": [
+        (lrs_every_attempt, "被跳过的更新也推进了它"),
+        (lrs_logged_attempts, "有效更新次数"),
+    ],
     "task4.layer_saved_bytes": [(layer_no_logsumexp, "sdpa_logsumexp"), (layer_with_probs, "s×s")],
-    "task4.gradient_lifecycle": [(grads_released_at_optimizer, "zero_grad"), (grads_tied_head_in_head_phase, "backward.embed")],
-    "task4.predict_peak": [(peak_always_at_the_loss, "实测在 optimizer"), (peak_no_vocab_grads, "词表大小的 fp32 上游梯度")],
+    "task4.gradient_lifecycle": [
+        (grads_released_at_optimizer, "zero_grad"),
+        (grads_tied_head_in_head_phase, "backward.embed"),
+    ],
+    "task4.predict_peak": [
+        (peak_always_at_the_loss, "实测在 optimizer"),
+        (peak_no_vocab_grads, "词表大小的 fp32 上游梯度"),
+    ],
     "task4.fsdp_held_bytes": [(fsdp_even_split, "第 0 维切"), (fsdp_no_padding, "填充到")],
-    "task5.offload_hooks": [(offload_no_copy, "没有被搬走"), (offload_to_cpu_alias, "t.to('cpu')"), (offload_params_too, "参数也被复制"),
-                            (offload_closure, "闭包"), (offload_half, "取回的张量与打包时不同")],
-    "task5.checkpoint": [(checkpoint_plain, "只应留下输入"), (checkpoint_no_enable_grad, "enable_grad"), (checkpoint_only_x, "没有得到梯度")],
+    "task5.offload_hooks": [
+        (offload_no_copy, "没有被搬走"),
+        (offload_to_cpu_alias, "t.to('cpu')"),
+        (offload_params_too, "参数也被复制"),
+        (offload_closure, "闭包"),
+        (offload_half, "取回的张量与打包时不同"),
+    ],
+    "task5.checkpoint": [
+        (checkpoint_plain, "只应留下输入"),
+        (checkpoint_no_enable_grad, "enable_grad"),
+        (checkpoint_only_x, "没有得到梯度"),
+    ],
     "task6.gradient_gate": [(gate_no_floor, "下限"), (gate_absolute, "绝对误差"), (gate_max_nan, "NaN")],
     "task6.update_gate": [(update_gate_counts_only, "漏过去了")],
 }
@@ -361,12 +419,17 @@ def _stub(*args, **kwargs):
 def test_unfilled_stub_is_not_attempted(exercise_id):
     result, text = run_check(exercise_id, _stub)
     assert result is None
-    assert text.splitlines()[1] == "未完成：`_stub` 还是存根（它抛出 NotImplementedError）。在上一格写出实现后，再运行这一格。"
+    assert (
+        text.splitlines()[1]
+        == "未完成：`_stub` 还是存根（它抛出 NotImplementedError）。在上一格写出实现后，再运行这一格。"
+    )
     assert len(text.splitlines()) == 2  # fixed text: the committed notebooks stay deterministic
 
 
-@pytest.mark.parametrize("exercise_id,fn,fragment",
-                         [by_task(k, fn, frag, id=f"{k}-{fn.__name__}") for k, items in WRONG.items() for fn, frag in items])
+@pytest.mark.parametrize(
+    "exercise_id,fn,fragment",
+    [by_task(k, fn, frag, id=f"{k}-{fn.__name__}") for k, items in WRONG.items() for fn, frag in items],
+)
 def test_wrong_answer_is_rejected_with_a_diagnosis(exercise_id, fn, fragment):
     result, text = run_check(exercise_id, fn)
     assert isinstance(result, ClaimFailed), text
@@ -377,6 +440,7 @@ def test_wrong_answer_is_rejected_with_a_diagnosis(exercise_id, fn, fragment):
 def test_a_learner_error_is_reported_not_raised_raw():
     def broken(W, x, v):
         return W @ torch.ones(W.shape[0] + 1, dtype=W.dtype), W
+
     result, text = run_check("task1.residual_vjp", broken)
     assert isinstance(result, ClaimFailed)
     assert "你的函数抛出了 RuntimeError" in text
@@ -384,11 +448,13 @@ def test_a_learner_error_is_reported_not_raised_raw():
 
 def test_a_half_finished_answer_is_wrong_not_unattempted():
     calls = []
+
     def half(theta, grad, buf, *, lr, momentum, weight_decay):
         calls.append(1)
         if buf is not None:
             raise NotImplementedError("later updates")
         return S.sgd_momentum_update(theta, grad, buf, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
     result, text = run_check("task0.sgd_momentum_update", half)
     assert isinstance(result, ClaimFailed) and "NotImplementedError" in text and len(calls) == 2
 
@@ -411,8 +477,15 @@ def test_checks_never_read_the_solutions():
     assert len(paths) == 8  # __init__.py and task0.py ... task6.py
     for path in paths:
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        imported |= {f"{node.module}.{a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
+        imported = {
+            alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        }
+        imported |= {
+            f"{node.module}.{a.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            for a in node.names
+        }
         assert not any("solutions" in name for name in imported), path.name
 
 
@@ -423,8 +496,16 @@ def test_every_notebook_ends_with_its_exercises():
     seen = []
     for path in sorted((REPO / "notebooks").glob("Task*.ipynb")):
         cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-        start = next(i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and "".join(c["source"]).startswith("## 练习"))
-        checks = [c for c in cells[start:] if c["cell_type"] == "code" and "".join(c["source"]).startswith("trainmech.exercises.check(")]
+        start = next(
+            i
+            for i, c in enumerate(cells)
+            if c["cell_type"] == "markdown" and "".join(c["source"]).startswith("## 练习")
+        )
+        checks = [
+            c
+            for c in cells[start:]
+            if c["cell_type"] == "code" and "".join(c["source"]).startswith("trainmech.exercises.check(")
+        ]
         ids = [ast.literal_eval("".join(c["source"]).split("(", 1)[1].split(",", 1)[0]) for c in checks]
         assert 2 <= len(ids) <= 4, path.name
         assert all(i.startswith(path.name[:5].lower() + ".") for i in ids), (path.name, ids)
@@ -449,7 +530,7 @@ def test_an_in_place_answer_is_wrong_even_with_the_right_values():
 
 def test_a_learner_error_quotes_the_learners_own_line():
     def helper(W):
-        return W @ torch.ones(W.shape[0] + 1, dtype=W.dtype)   # the shape error is raised here
+        return W @ torch.ones(W.shape[0] + 1, dtype=W.dtype)  # the shape error is raised here
 
     def broken(W, x, v):
         return helper(W), W
@@ -457,7 +538,9 @@ def test_a_learner_error_quotes_the_learners_own_line():
     result, text = run_check("task1.residual_vjp", broken)
     assert isinstance(result, ClaimFailed)
     line = next(ln for ln in text.splitlines() if "出错的是你代码里的这一行" in ln)
-    assert "test_exercises.py" in line and "return W @ torch.ones(W.shape[0] + 1, dtype=W.dtype)" in line, text
+    assert "test_exercises.py" in line and "return W @ torch.ones(W.shape[0] + 1, dtype=W.dtype)" in line, (
+        text
+    )
 
 
 def test_in_a_kernel_feedback_shows_without_the_package_traceback():
@@ -486,4 +569,6 @@ def test_in_a_kernel_feedback_shows_without_the_package_traceback():
     assert "exercises" + "/__init__.py" not in shown and "Traceback" not in shown
     assert "通过" in text_of(right) and not errors_of(right)
     assert not [o for o in right.outputs if o.output_type == "execute_result"]  # no stray Out[n]: True
-    assert "出错的是你代码里的这一行（Cell In[3]，第 2 行：m = grad.sum(dim=5)）" in text_of(raising), text_of(raising)
+    assert "出错的是你代码里的这一行（Cell In[3]，第 2 行：m = grad.sum(dim=5)）" in text_of(raising), (
+        text_of(raising)
+    )

@@ -39,7 +39,10 @@ def _figure_with(title: str):
 
 
 def test_the_first_known_family_wins():
-    assert fonts.find_cjk_family({"DejaVu Sans", "WenQuanYi Micro Hei", "Noto Sans CJK JP"}) == "WenQuanYi Micro Hei"
+    assert (
+        fonts.find_cjk_family({"DejaVu Sans", "WenQuanYi Micro Hei", "Noto Sans CJK JP"})
+        == "WenQuanYi Micro Hei"
+    )
     assert fonts.find_cjk_family({"DejaVu Sans", "Noto Sans CJK SC", "SimHei"}) == "Noto Sans CJK SC"
     assert fonts.find_cjk_family({"DejaVu Sans"}) is None
 
@@ -58,8 +61,13 @@ def test_without_a_cjk_font_labels_stay_english_and_nothing_warns():
 def test_with_a_cjk_font_chinese_labels_draw_real_glyphs():
     family = fonts.configure()
     if family is None:
-        pytest.skip("no CJK font installed (Debian: apt-get install fonts-wqy-microhei); .ci/run installs one")
-    assert matplotlib.rcParams["font.family"] == ["sans-serif", family]  # Latin keeps DejaVu Sans; CJK falls back
+        pytest.skip(
+            "no CJK font installed (Debian: apt-get install fonts-wqy-microhei); .ci/run installs one"
+        )
+    assert matplotlib.rcParams["font.family"] == [
+        "sans-serif",
+        family,
+    ]  # Latin keeps DejaVu Sans; CJK falls back
     title = fonts.label("损失（nats）与参数位移 ‖Δθ‖₂", "loss")
     assert fonts.has_cjk(title)
     assert _render(_figure_with(title)) == []

@@ -1,4 +1,5 @@
 """The glossary data, the learner's glossary page and the writing-rule lint (trainmech.glossary)."""
+
 from __future__ import annotations
 
 import re
@@ -54,8 +55,18 @@ def test_data_has_23_terms_in_seed_order_with_unique_names():
 
 def test_data_code_names_are_snake_case_and_style_names_present():
     assert all(re.fullmatch(r"[a-z][a-z0-9_]*", t.code_name) for t in TERMS)
-    style = {"upstream_grad", "saved", "effective_tokens", "accumulation_window", "effective_update",
-             "update_clock", "loss_scale", "peak_overlap", "exposed_transfer_time", "correctness_gate"}
+    style = {
+        "upstream_grad",
+        "saved",
+        "effective_tokens",
+        "accumulation_window",
+        "effective_update",
+        "update_clock",
+        "loss_scale",
+        "peak_overlap",
+        "exposed_transfer_time",
+        "correctness_gate",
+    }
     assert style <= {t.code_name for t in TERMS}
 
 
@@ -80,7 +91,10 @@ def test_term_lookup_by_code_name_or_zh_refuses_unknown():
 def test_lint_first_use_requires_parenthesis(tmp_path):
     (f,) = lint_text(tmp_path, "前言。\n\n上游梯度沿路径传回。\n")
     assert (f.rule, f.cell) == ("first-use", 3)
-    assert str(f) == f'{tmp_path / "page.md"} line 3 [first-use] 上游梯度 first used without （upstream gradient）: "上游梯度沿路径传回。"'
+    assert (
+        str(f)
+        == f'{tmp_path / "page.md"} line 3 [first-use] 上游梯度 first used without （upstream gradient）: "上游梯度沿路径传回。"'
+    )
 
 
 def test_lint_first_use_accepts_parenthesis_then_bare(tmp_path):
@@ -127,7 +141,10 @@ def test_lint_abbreviation_may_stand_alone_but_chinese_form_needs_parenthesis(tm
 
 
 def test_lint_activation_is_not_triggered_or_satisfied_by_longer_terms(tmp_path):
-    assert lint_text(tmp_path, "激活检查点（activation checkpointing）与激活卸载（activation offload）。\n") == []
+    assert (
+        lint_text(tmp_path, "激活检查点（activation checkpointing）与激活卸载（activation offload）。\n")
+        == []
+    )
     found = lint_text(tmp_path, "激活检查点（activation checkpointing）。然后激活被释放。\n")
     assert [f.message for f in found] == ["激活 first used without （activation）"]
     found = lint_text(tmp_path, "激活（activation）。然后是激活检查点。\n")
@@ -142,8 +159,18 @@ def test_lint_overlapping_names_are_distinct_terms(tmp_path):
 
 
 def test_lint_joint_memory_form_introduces_both(tmp_path):
-    assert lint_text(tmp_path, "已分配显存与保留显存（allocated / reserved memory）。之后保留显存、已分配显存。\n") == []
-    assert lint_text(tmp_path, "已分配显存（allocated memory）、保留显存（reserved memory）。已分配显存与保留显存。\n") == []
+    assert (
+        lint_text(
+            tmp_path, "已分配显存与保留显存（allocated / reserved memory）。之后保留显存、已分配显存。\n"
+        )
+        == []
+    )
+    assert (
+        lint_text(
+            tmp_path, "已分配显存（allocated memory）、保留显存（reserved memory）。已分配显存与保留显存。\n"
+        )
+        == []
+    )
     found = lint_text(tmp_path, "已分配显存（allocated memory）。之后保留显存。\n")
     assert [f.message for f in found] == ["保留显存 first used without （reserved memory）"]
 
@@ -164,19 +191,24 @@ def test_lint_catch_all_quoted_is_allowed(tmp_path, quoted):
 # ---------------------------------------------------------------- english-in-prose
 
 
-@pytest.mark.parametrize("text", ["每个 step 之后清零。", "这次被 Skipped 了。", "前 10 steps 里。", "reserved 比 allocated 大。"])
+@pytest.mark.parametrize(
+    "text", ["每个 step 之后清零。", "这次被 Skipped 了。", "前 10 steps 里。", "reserved 比 allocated 大。"]
+)
 def test_lint_english_in_prose_is_flagged(tmp_path, text):
     assert set(rules(lint_text(tmp_path, text + "\n"))) == {"english-in-prose"}
 
 
-@pytest.mark.parametrize("text", [
-    "调用 `optimizer.step()` 完成更新。",
-    "跳步（skip）不计入，**已分配显存**（allocated memory）。",
-    "输出如下：\n\n```\nstep 3 skipped\n```",
-    "公式 $\\text{step}_t$ 与链接 [说明](https://example.org/step) 和 <span class=\"step\">。",
-    "Each step is skipped when gradients overflow.",  # no CJK: not Chinese prose
-    "逐步（stepwise）推导。",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "调用 `optimizer.step()` 完成更新。",
+        "跳步（skip）不计入，**已分配显存**（allocated memory）。",
+        "输出如下：\n\n```\nstep 3 skipped\n```",
+        '公式 $\\text{step}_t$ 与链接 [说明](https://example.org/step) 和 <span class="step">。',
+        "Each step is skipped when gradients overflow.",  # no CJK: not Chinese prose
+        "逐步（stepwise）推导。",
+    ],
+)
 def test_lint_english_in_code_gloss_or_english_text_is_allowed(tmp_path, text):
     assert lint_text(tmp_path, text + "\n") == []
 
@@ -196,7 +228,9 @@ def test_lint_refuses_other_files(tmp_path):
 
 def test_committed_glossary_page_is_current_and_lints_clean():
     page = REPO / "notebooks" / "reference" / "glossary.md"
-    assert page.read_text(encoding="utf-8") == render_markdown(), "run: python -m trainmech lint --write-glossary"
+    assert page.read_text(encoding="utf-8") == render_markdown(), (
+        "run: python -m trainmech lint --write-glossary"
+    )
     assert lint_paths([page]) == []
 
 
@@ -210,7 +244,9 @@ def test_main_returns_1_on_dirty_tree_and_0_on_clean(tmp_path, capsys):
     assert main(["--root", str(tmp_path)]) == 2  # no notebooks/ folder
     (tmp_path / "notebooks" / "reference").mkdir(parents=True)
     assert main(["--root", str(tmp_path), "--write-glossary"]) == 0
-    assert (tmp_path / "notebooks" / "reference" / "glossary.md").read_text(encoding="utf-8") == render_markdown()
+    assert (tmp_path / "notebooks" / "reference" / "glossary.md").read_text(
+        encoding="utf-8"
+    ) == render_markdown()
     notebook(tmp_path / "notebooks", ["上游梯度（upstream gradient）。"], "Task0_ok.ipynb")
     assert main(["--root", str(tmp_path)]) == 0
     md(tmp_path / "notebooks" / "reference", "每个 step 都算训练显存。\n", "bad.md")

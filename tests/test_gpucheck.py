@@ -4,6 +4,7 @@ with the CPU side chosen, the machine-limit functions, the plan, the carry bundl
 A GPU runs the same checks with the CUDA side; here they must pass first, so that a short GPU window
 is spent on the GPU's findings, not on gpu-check's own bugs.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,10 @@ CPU = torch.device("cpu")
 
 def test_every_cuda_only_branch_has_a_gpu_check_entry():
     missing = [s for s in scan.all_sites() if s.key not in branches.covered()]
-    assert not missing, "CUDA-only branches without a gpu-check entry (add the key to trainmech/gpucheck/branches.py):\n" + \
-        "\n".join(f"  {s.key}: {s.path}:{s.line}  {s.text}" for s in missing)
+    assert not missing, (
+        "CUDA-only branches without a gpu-check entry (add the key to trainmech/gpucheck/branches.py):\n"
+        + "\n".join(f"  {s.key}: {s.path}:{s.line}  {s.text}" for s in missing)
+    )
 
 
 def test_no_entry_names_a_site_that_is_gone():
@@ -54,7 +57,9 @@ def test_every_torch_cuda_call_exists_in_the_installed_torch():
         for call in re.findall(r"torch\.cuda(?:\.\w+)+(?=\()", site.text):
             obj = torch
             for part in call.split(".")[1:]:
-                assert hasattr(obj, part), f"{site.path}:{site.line}: {call} does not exist in torch {torch.__version__}"
+                assert hasattr(obj, part), (
+                    f"{site.path}:{site.line}: {call} does not exist in torch {torch.__version__}"
+                )
                 obj = getattr(obj, part)
 
 
@@ -71,15 +76,25 @@ def test_the_scanner_finds_each_kind_of_site_and_skips_annotations(tmp_path):
         "    def flag(self) -> torch.cuda.Event | None:\n"
         "        return self.on_cuda\n"
         "def plain(x: torch.cuda.Stream):\n"
-        "    return x\n", encoding="utf-8")
+        "    return x\n",
+        encoding="utf-8",
+    )
     found = scan.by_key(scan.package_sites(pkg))
     assert set(found) == {"mod.Harness.go", "mod.Harness.flag"}
     assert [s.text for s in found["mod.Harness.go"]] == ["device.type == 'cuda'", "torch.cuda.synchronize()"]
     nbs = tmp_path / "notebooks"
     nbs.mkdir()
-    cell = {"cell_type": "code", "id": "cell-07", "metadata": {}, "outputs": [], "execution_count": None,
-            "source": ["%matplotlib inline\n", "if session.on_cuda:\n", "    print(1)\n"]}
-    (nbs / "Task9_x.ipynb").write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    cell = {
+        "cell_type": "code",
+        "id": "cell-07",
+        "metadata": {},
+        "outputs": [],
+        "execution_count": None,
+        "source": ["%matplotlib inline\n", "if session.on_cuda:\n", "    print(1)\n"],
+    }
+    (nbs / "Task9_x.ipynb").write_text(
+        json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
+    )
     assert [(s.key, s.line) for s in scan.notebook_sites(nbs)] == [("Task9:cell-07", 2)]
 
 
@@ -113,10 +128,17 @@ def test_allocator_window_counts_what_was_alive_at_once_on_the_cpu_allocator():
         del a
         c = torch.empty(n, dtype=torch.uint8)
         del b, c
-    assert (w.source, w.start_bytes, w.peak_above_start, w.peak_reserved_bytes) == ("cpu-profiler", 1000, 3 * n, None)
+    assert (w.source, w.start_bytes, w.peak_above_start, w.peak_reserved_bytes) == (
+        "cpu-profiler",
+        1000,
+        3 * n,
+        None,
+    )
 
 
-@pytest.mark.parametrize("source, words", [("cuda", "cannot count memory on a cpu"), ("gpu", "valid: cuda, cpu-profiler")])
+@pytest.mark.parametrize(
+    "source, words", [("cuda", "cannot count memory on a cpu"), ("gpu", "valid: cuda, cpu-profiler")]
+)
 def test_allocator_window_refuses_in_one_sentence(source, words):
     with pytest.raises(TrainmechError) as e:
         with measure.allocator_window(CPU, source):
@@ -135,7 +157,11 @@ def test_step_memory_with_the_cpu_allocator_forced_runs_the_cuda_bookkeeping(tin
         assert step.peak_allocated_bytes == step.step_peak_allocated_bytes
         assert abs(step.step_peak_allocated_bytes - step.peak_bytes) <= 0.01 * step.peak_bytes
     plain = measure.training_step_memory(model, optimizer, batch)
-    assert (plain.peak_allocated_bytes, plain.peak_reserved_bytes, plain.step_peak_allocated_bytes) == (None, None, None)
+    assert (plain.peak_allocated_bytes, plain.peak_reserved_bytes, plain.step_peak_allocated_bytes) == (
+        None,
+        None,
+        None,
+    )
 
 
 # ---------------------------------------------------------------- the machine's limits, on a CPU
@@ -150,7 +176,9 @@ def test_copy_bandwidth_on_a_cpu_says_what_it_measured():
 def test_step_phase_times_and_the_offload_bound():
     probe = branches.Probe.for_device(CPU)
     model = probe.model()
-    phases = limits.step_phase_times(model, probe.lm_batch(), torch.optim.AdamW(model.parameters()), warmup=1, repeats=2)
+    phases = limits.step_phase_times(
+        model, probe.lm_batch(), torch.optim.AdamW(model.parameters()), warmup=1, repeats=2
+    )
     assert all(phases[k] > 0 for k in ("forward_s", "backward_s", "update_s"))
     assert phases["step_s"] == pytest.approx(phases["forward_s"] + phases["backward_s"] + phases["update_s"])
     assert all(p.grad is None for p in model.parameters())
@@ -171,7 +199,9 @@ def test_dry_run_lists_every_branch_and_the_budget_and_exits_0(capsys):
     for b in branches.registry():
         assert b.name.split(":")[-1] in out, b.name
     assert all(f"Task{i}" in out for i in range(7))
-    assert re.search(r"verdict: (the full run fits one 10-minute command|split the run into \d commands)", out)
+    assert re.search(
+        r"verdict: (the full run fits one 10-minute command|split the run into \d commands)", out
+    )
     assert re.search(r"small pass: ~\d+ s", out)
 
 
@@ -208,7 +238,9 @@ def test_each_notebook_parameter_of_the_small_pass_exists():
         assert set(params) <= names, (path.stem, set(params) - names)
         for key in ("WORKLOAD", "CHECKPOINT_WORKLOAD", "OFFLOAD_WORKLOAD"):
             if key in params:
-                assert not cuda.workload(params[key]).experiments, "a smoke workload must not serve an experiment"
+                assert not cuda.workload(params[key]).experiments, (
+                    "a smoke workload must not serve an experiment"
+                )
         for wid in params.get("ACCUMULATION_WORKLOADS", []):
             cuda.workload(wid)
         if "MODEL" in params:
@@ -224,7 +256,9 @@ def test_the_notebook_pass_judges_each_registered_cell_from_the_executed_noteboo
 
     notebooks, cells = run_notebooks(tmp_path, CPU, ["Task0"], 300, mode="cpu", params={})
     assert [(n["notebook"], n["status"], n["error"]) for n in notebooks] == [("Task0", "ok", None)]
-    assert [(c["name"], c["status"]) for c in cells] == [(b.name, "ok") for b in branches.notebook_cells("Task0")]
+    assert [(c["name"], c["status"]) for c in cells] == [
+        (b.name, "ok") for b in branches.notebook_cells("Task0")
+    ]
     assert (tmp_path / "notebooks" / "smoke-Task0" / "run.json").is_file()
     error = {"output_type": "error", "ename": "ClaimFailed", "evalue": "1 % claim\ndetails"}
     assert _cell_outcome({"outputs": [error], "execution_count": 3}) == ("failed", "ClaimFailed: 1 % claim")
@@ -248,10 +282,18 @@ def test_budget_rows_and_split():
 
 
 def test_cuda_profile_accepts_the_gpu_machines_stack_and_the_cpu_profile_keeps_its_pin():
-    gpu = {"python": "3.12.3", "torch": "2.11.0+cu130", "transformers": "5.17.0", "accelerate": "1.15.0",
-           "tokenizers": "0.23.2", **{n: v for n, v in bundle.pins() if n in ("nbclient", "pydantic")}}
+    gpu = {
+        "python": "3.12.3",
+        "torch": "2.11.0+cu130",
+        "transformers": "5.17.0",
+        "accelerate": "1.15.0",
+        "tokenizers": "0.23.2",
+        **{n: v for n, v in bundle.pins() if n in ("nbclient", "pydantic")},
+    }
     assert profiles.version_problems(profiles.for_mode("TRAIN-CUDA-MECHANISM"), gpu) == []
-    assert profiles.version_problems(profiles.for_mode("cpu"), gpu) == ["torch 2.11.0+cu130 does not satisfy ==2.13.0 (TRAIN-CPU)"]
+    assert profiles.version_problems(profiles.for_mode("cpu"), gpu) == [
+        "torch 2.11.0+cu130 does not satisfy ==2.13.0 (TRAIN-CPU)"
+    ]
     old = gpu | {"transformers": "5.16.0", "torch": "2.10.0"}
     assert len(profiles.version_problems(profiles.for_mode("TRAIN-CUDA-MECHANISM"), old)) == 2
     assert profiles.version_problems(profiles.for_mode("cpu")) == []
@@ -266,10 +308,24 @@ def test_bundle_list_is_exactly_what_the_runtime_needs_beyond_the_gpu_image():
     assert unresolved == [], f"runtime requirements this environment cannot resolve: {unresolved}"
     shadows = bundle.shadows()
     assert shadows <= bundle.preinstalled(), "only a preinstalled package can be shadowed"
-    assert set(needed) - set(names) == set(), f"missing from profiles/cuda-bundle.txt: {sorted(set(needed) - set(names))}"
-    assert set(names) - set(needed) - shadows == set(), f"not needed on the GPU machine: {sorted(set(names) - set(needed) - shadows)}"
-    for required in ("nbclient", "nbformat", "jupyter-client", "jupyter-core", "ipykernel", "ipython", "pyzmq", "tornado",
-                     "pydantic", "pydantic-core"):
+    assert set(needed) - set(names) == set(), (
+        f"missing from profiles/cuda-bundle.txt: {sorted(set(needed) - set(names))}"
+    )
+    assert set(names) - set(needed) - shadows == set(), (
+        f"not needed on the GPU machine: {sorted(set(names) - set(needed) - shadows)}"
+    )
+    for required in (
+        "nbclient",
+        "nbformat",
+        "jupyter-client",
+        "jupyter-core",
+        "ipykernel",
+        "ipython",
+        "pyzmq",
+        "tornado",
+        "pydantic",
+        "pydantic-core",
+    ):
         assert required in names
 
 

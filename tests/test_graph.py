@@ -39,7 +39,9 @@ def test_edges_match_next_functions(residual_graph):
 def test_tied_weight_has_two_consumers():
     E = torch.randn(10, 4, requires_grad=True)
     ids = torch.tensor([1, 3, 3])
-    logits = torch.nn.functional.linear(torch.nn.functional.embedding(ids, E), E)  # lookup, then a head sharing E
+    logits = torch.nn.functional.linear(
+        torch.nn.functional.embedding(ids, E), E
+    )  # lookup, then a head sharing E
     assert graph.consumers(logits.sum(), E) == ["EmbeddingBackward0", "TBackward0"]
 
 

@@ -28,10 +28,20 @@ REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("Task*.ipynb"))
 
 
-@pytest.mark.parametrize("value, digits, text", [
-    (6.2401, 3, "6.24"), (0.5, 3, "0.500"), (24615.7, 3, "2.46e+04"), (0.000123456, 2, "0.00012"),
-    (100.0, 3, "100"), (-0.2889, 2, "-0.29"), (0.0, 3, "0"), (float("nan"), 3, "nan"), (3.5427, 4, "3.543"),
-])
+@pytest.mark.parametrize(
+    "value, digits, text",
+    [
+        (6.2401, 3, "6.24"),
+        (0.5, 3, "0.500"),
+        (24615.7, 3, "2.46e+04"),
+        (0.000123456, 2, "0.00012"),
+        (100.0, 3, "100"),
+        (-0.2889, 2, "-0.29"),
+        (0.0, 3, "0"),
+        (float("nan"), 3, "nan"),
+        (3.5427, 4, "3.543"),
+    ],
+)
 def test_num_keeps_the_requested_significant_digits(value, digits, text):
     assert checks.num(value, digits) == text
 
@@ -56,7 +66,13 @@ def test_close_fails_loudly_on_an_error_a_nan_and_a_shape_mismatch(capsys):
     ref = torch.tensor([1.0, -2.0, 4.0], dtype=torch.float64)
     diff = checks.close("demo.ok", ref + 1e-14, ref, rtol=1e-10)
     assert diff == pytest.approx(1e-14, rel=1e-2)
-    assert capsys.readouterr().out.split() == ["demo.ok", "rel", "≤", "1e-10", "✓"]  # the noise itself: returned, not printed
+    assert capsys.readouterr().out.split() == [
+        "demo.ok",
+        "rel",
+        "≤",
+        "1e-10",
+        "✓",
+    ]  # the noise itself: returned, not printed
     with pytest.raises(ClaimFailed, match="demo.bad：相对误差 1.00e-03 超过容限 1e-10"):
         checks.close("demo.bad", ref * 1.001, ref, rtol=1e-10)
     assert capsys.readouterr().out.split() == ["demo.bad", "rel", "=", "1.0e-03", ">", "1e-10", "✗"]
@@ -66,11 +82,18 @@ def test_close_fails_loudly_on_an_error_a_nan_and_a_shape_mismatch(capsys):
         checks.close("demo.shape", ref[:2], ref, rtol=1e-10)
 
 
-@pytest.mark.parametrize("fn, value, limit, holds", [
-    (checks.claim_at_most, 1.0, 2.0, True), (checks.claim_at_most, 2.0, 2.0, True), (checks.claim_at_most, 2.5, 2.0, False),
-    (checks.claim_at_least, 3.0, 2.0, True), (checks.claim_at_least, 1.0, 2.0, False),
-    (checks.claim_at_most, float("nan"), 2.0, False), (checks.claim_at_least, float("nan"), 2.0, False),
-])
+@pytest.mark.parametrize(
+    "fn, value, limit, holds",
+    [
+        (checks.claim_at_most, 1.0, 2.0, True),
+        (checks.claim_at_most, 2.0, 2.0, True),
+        (checks.claim_at_most, 2.5, 2.0, False),
+        (checks.claim_at_least, 3.0, 2.0, True),
+        (checks.claim_at_least, 1.0, 2.0, False),
+        (checks.claim_at_most, float("nan"), 2.0, False),
+        (checks.claim_at_least, float("nan"), 2.0, False),
+    ],
+)
 def test_quantitative_claims_compare_value_and_limit(fn, value, limit, holds, capsys):
     if holds:
         fn(value, limit, "s")
@@ -95,7 +118,13 @@ def test_every_check_goes_to_the_log_with_its_value_and_limit(tmp_path):
         checks.log_checks_to(None)
     entries = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(e["n"], e["kind"], e["holds"]) for e in entries] == [
-        (0, "claim", True), (1, "at_most", True), (2, "at_least", True), (3, "close", True), (4, "equal", True), (5, "at_most", False)]
+        (0, "claim", True),
+        (1, "at_most", True),
+        (2, "at_least", True),
+        (3, "close", True),
+        (4, "equal", True),
+        (5, "at_most", False),
+    ]
     assert (entries[1]["value"], entries[1]["limit"]) == (0.25, 1.0)
     assert (entries[3]["value"], entries[3]["limit"]) == (0.0, 1e-6)
     assert entries[5]["value"] == "inf"  # JSON has no Infinity: kept as text
@@ -138,18 +167,31 @@ def test_the_sanitizer_masks_only_times_and_addresses():
     assert digits_after >= 0.97 * digits_before, (digits_before, digits_after)
 
 
-@pytest.mark.parametrize("text", ["loss = 6.24", "total (distinct)          125,504", "x rel ≤ 1e-06 ✓",
-                                  "tracked bytes 1,247,240", "✓ 29 prompt positions", "(4, 32)", "scale 65536"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "loss = 6.24",
+        "total (distinct)          125,504",
+        "x rel ≤ 1e-06 ✓",
+        "tracked bytes 1,247,240",
+        "✓ 29 prompt positions",
+        "(4, 32)",
+        "scale 65536",
+    ],
+)
 def test_numbers_that_matter_survive_the_sanitizer(text):
     assert portability.sanitize(text, portability.sanitize_patterns()) == text
 
 
-@pytest.mark.parametrize("text, masked", [("took 12.5 s", "took <TIME>"), ("3 ms", "<TIME>"), ("at 0x7f3a9c2b10", "at <ADDRESS>")])
+@pytest.mark.parametrize(
+    "text, masked", [("took 12.5 s", "took <TIME>"), ("3 ms", "<TIME>"), ("at 0x7f3a9c2b10", "at <ADDRESS>")]
+)
 def test_what_honestly_varies_is_masked(text, masked):
     assert portability.sanitize(text, portability.sanitize_patterns()) == masked
 
 
 # ----------------------------------------------------------------------------- nbval does not go blind
+
 
 def _perturb(nb: dict, cell_id: str, old: str, new: str) -> None:
     cell = next(c for c in nb["cells"] if c.get("id") == cell_id)
@@ -174,9 +216,25 @@ def test_nbval_fails_on_a_changed_loss_byte_count_or_verdict(tmp_path):
     target.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8")
     env = {**os.environ, "TRAINMECH_RESULTS_DIR": str(tmp_path / "records"), "PYTHONPATH": str(REPO)}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--nbval", "--nbval-current-env",
-         "--nbval-sanitize-with", str(REPO / "tests" / "nbval_sanitize.cfg"), "-q", "-rf", str(target)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "--nbval",
+            "--nbval-current-env",
+            "--nbval-sanitize-with",
+            str(REPO / "tests" / "nbval_sanitize.cfg"),
+            "-q",
+            "-rf",
+            str(target),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     failed = set(re.findall(r"FAILED \S+::Cell (\d+)", run.stdout))
     code_ids = [c.get("id") for c in nb["cells"] if c["cell_type"] == "code"]

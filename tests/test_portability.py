@@ -29,9 +29,17 @@ def _stream(text, name="stdout"):
 
 
 def test_outputs_are_read_as_nbval_compares_them():
-    nb = _notebook([_stream("a "), _stream("b\n"), _stream("warn\n", "stderr"),
-                    nbformat.v4.new_output("display_data", data={"image/png": "AAAA", "text/plain": "<Figure>"})])
-    assert portability.cell_outputs(nb, []) == {"c0": ["stderr: warn\n", "stdout: a b\n", "text/plain: <Figure>"]}
+    nb = _notebook(
+        [
+            _stream("a "),
+            _stream("b\n"),
+            _stream("warn\n", "stderr"),
+            nbformat.v4.new_output("display_data", data={"image/png": "AAAA", "text/plain": "<Figure>"}),
+        ]
+    )
+    assert portability.cell_outputs(nb, []) == {
+        "c0": ["stderr: warn\n", "stdout: a b\n", "text/plain: <Figure>"]
+    }
 
 
 def test_output_diffs_report_the_first_differing_line_per_cell(tmp_path):
@@ -39,7 +47,9 @@ def test_output_diffs_report_the_first_differing_line_per_cell(tmp_path):
     nbformat.write(_notebook([_stream("loss 6.24\nsame\n")], [_stream("took 1.5 s\n")]), committed)
     nbformat.write(_notebook([_stream("loss 6.25\nsame\n")], [_stream("took 9.0 s\n")]), fresh)
     diffs = portability.output_diffs("p", fresh, committed, portability.sanitize_patterns())
-    assert [(d.cell, d.committed, d.fresh) for d in diffs] == [("c0", "stdout: loss 6.24", "stdout: loss 6.25")]
+    assert [(d.cell, d.committed, d.fresh) for d in diffs] == [
+        ("c0", "stdout: loss 6.24", "stdout: loss 6.25")
+    ]
 
 
 def _entry(n, kind, value, limit, holds=True):
@@ -48,20 +58,34 @@ def _entry(n, kind, value, limit, holds=True):
 
 def test_margins_compare_distance_to_the_limit_with_its_spread():
     logs = {
-        "a": [_entry(0, "at_most", 0.10, 1.0), _entry(1, "at_least", 5.0, 1.0), _entry(2, "claim", None, None)],
-        "b": [_entry(0, "at_most", 0.40, 1.0), _entry(1, "at_least", 5.0, 1.0), _entry(2, "claim", None, None)],
+        "a": [
+            _entry(0, "at_most", 0.10, 1.0),
+            _entry(1, "at_least", 5.0, 1.0),
+            _entry(2, "claim", None, None),
+        ],
+        "b": [
+            _entry(0, "at_most", 0.40, 1.0),
+            _entry(1, "at_least", 5.0, 1.0),
+            _entry(2, "claim", None, None),
+        ],
     }
     found, problems = portability.margins(logs, "nb")
     assert problems == []
     tight, flat = found
-    assert tight.margins == {"a": 0.9, "b": 0.6} and math.isclose(tight.spread, 0.3) and math.isclose(tight.ratio, 2.0)
+    assert (
+        tight.margins == {"a": 0.9, "b": 0.6}
+        and math.isclose(tight.spread, 0.3)
+        and math.isclose(tight.ratio, 2.0)
+    )
     assert not tight.ok  # 0.6 < 3 × 0.3
     assert flat.margins == {"a": 4.0, "b": 4.0} and math.isinf(flat.ratio) and flat.ok
 
 
 def test_margins_report_checks_that_differ_between_paths():
-    logs = {"a": [_entry(0, "at_most", 0.1, 1.0), _entry(1, "claim", None, None)],
-            "b": [_entry(0, "at_most", 2.0, 1.0, holds=False)]}
+    logs = {
+        "a": [_entry(0, "at_most", 0.1, 1.0), _entry(1, "claim", None, None)],
+        "b": [_entry(0, "at_most", 2.0, 1.0, holds=False)],
+    }
     _, problems = portability.margins(logs, "nb")
     assert any("different number of checks" in p for p in problems)
     assert any("fails on ['b']" in p for p in problems)
@@ -83,6 +107,12 @@ def test_two_runs_on_one_machine_write_identical_records(tmp_path):
     portability.execute("native", notebooks, tmp_path / "first")
     portability.execute("native", notebooks, tmp_path / "second")
     assert drift.compare_runs(tmp_path / "second", tmp_path / "first", strict=True) == []
-    first = [json.loads(line) for line in (tmp_path / "first" / "checks" / "Task0_training_loop.jsonl").read_text().splitlines()]
-    second = [json.loads(line) for line in (tmp_path / "second" / "checks" / "Task0_training_loop.jsonl").read_text().splitlines()]
+    first = [
+        json.loads(line)
+        for line in (tmp_path / "first" / "checks" / "Task0_training_loop.jsonl").read_text().splitlines()
+    ]
+    second = [
+        json.loads(line)
+        for line in (tmp_path / "second" / "checks" / "Task0_training_loop.jsonl").read_text().splitlines()
+    ]
     assert first == second and len(first) > 20

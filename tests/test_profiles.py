@@ -1,4 +1,5 @@
 """Environment profiles (trainmech.profiles): loading, validation, mode mapping, the pinned model."""
+
 from __future__ import annotations
 
 import shutil
@@ -92,7 +93,12 @@ def test_profile_missing_fields_is_refused_in_one_sentence(tmp_path):
 
 
 def test_profile_with_unknown_key_is_refused(tmp_path):
-    copy_profile(tmp_path, "TRAIN-CPU", "EXTRA", lambda s: s.replace('device = "cpu"', 'device = "cpu"\ncolour = "red"'))
+    copy_profile(
+        tmp_path,
+        "TRAIN-CPU",
+        "EXTRA",
+        lambda s: s.replace('device = "cpu"', 'device = "cpu"\ncolour = "red"'),
+    )
     with pytest.raises(TrainmechError) as e:
         profiles.load("EXTRA", directory=tmp_path)
     assert "colour" in one_line(e)
@@ -112,8 +118,12 @@ def test_copied_profile_loads_from_another_directory(tmp_path):
 
 def test_workload_naming_a_missing_model_is_refused(tmp_path):
     copy_profile(
-        tmp_path, "TRAIN-CPU", "NOMODEL",
-        lambda s: s.replace('[workloads.cpu-loop]\nmodel = "qwen2-tiny"', '[workloads.cpu-loop]\nmodel = "qwen2-huge"'),
+        tmp_path,
+        "TRAIN-CPU",
+        "NOMODEL",
+        lambda s: s.replace(
+            '[workloads.cpu-loop]\nmodel = "qwen2-tiny"', '[workloads.cpu-loop]\nmodel = "qwen2-huge"'
+        ),
     )
     with pytest.raises(TrainmechError) as e:
         profiles.load("NOMODEL", directory=tmp_path)
@@ -123,8 +133,12 @@ def test_workload_naming_a_missing_model_is_refused(tmp_path):
 
 def test_micro_batches_must_divide_the_batch(tmp_path):
     copy_profile(
-        tmp_path, "TRAIN-CPU", "SPLIT",
-        lambda s: s.replace("batch = 4\nseq = 32\nmicro_batches = [1, 2, 4]", "batch = 4\nseq = 32\nmicro_batches = [1, 3]", 1),
+        tmp_path,
+        "TRAIN-CPU",
+        "SPLIT",
+        lambda s: s.replace(
+            "batch = 4\nseq = 32\nmicro_batches = [1, 2, 4]", "batch = 4\nseq = 32\nmicro_batches = [1, 3]", 1
+        ),
     )
     with pytest.raises(TrainmechError) as e:
         profiles.load("SPLIT", directory=tmp_path)
@@ -132,7 +146,12 @@ def test_micro_batches_must_divide_the_batch(tmp_path):
 
 
 def test_heads_must_divide(tmp_path):
-    copy_profile(tmp_path, "TRAIN-CPU", "HEADS", lambda s: s.replace("num_key_value_heads = 2", "num_key_value_heads = 3", 1))
+    copy_profile(
+        tmp_path,
+        "TRAIN-CPU",
+        "HEADS",
+        lambda s: s.replace("num_key_value_heads = 2", "num_key_value_heads = 3", 1),
+    )
     with pytest.raises(TrainmechError) as e:
         profiles.load("HEADS", directory=tmp_path)
     assert "num_key_value_heads" in one_line(e)

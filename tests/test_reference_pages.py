@@ -37,7 +37,9 @@ REFERENCE = NOTEBOOKS / "reference"
 PAGES = ("formulas.md", "troubleshooting.md", "problem_chain.md")
 TASKS = range(7)  # Task0 … Task6
 
-REF = re.compile(r"\[Task(\d) · ([A-Za-z0-9][A-Za-z0-9_-]*)\]\((\.\./(Task(\d)_[A-Za-z0-9_]+\.ipynb))(#[^)\s]*)?\)")
+REF = re.compile(
+    r"\[Task(\d) · ([A-Za-z0-9][A-Za-z0-9_-]*)\]\((\.\./(Task(\d)_[A-Za-z0-9_]+\.ipynb))(#[^)\s]*)?\)"
+)
 POSITIONAL = re.compile(r"cell-\d+")
 LOOSE_REF = re.compile(r"Task\d\s*·\s*cell[\s-]*\d+")
 CODE_SPAN = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)")
@@ -104,7 +106,9 @@ def _spans(line: str) -> list[tuple[int, str]]:
 def test_page_documents_the_reference_form(page):
     text = _page(page)
     head = text[: text.find("\n## ")] if "\n## " in text else text
-    assert "[TaskN · 单元格 id](../TaskN_" in head, f"{page}: the top of the page must document the cell-reference form"
+    assert "[TaskN · 单元格 id](../TaskN_" in head, (
+        f"{page}: the top of the page must document the cell-reference form"
+    )
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -123,8 +127,10 @@ def test_cell_references_point_at_existing_cells(page):
             path = (REFERENCE / target).resolve()
             nb = _notebook(path)
             if m.group(6) != f"#cell-id={cell_id}":
-                problems.append(f"line {lineno}: the link to {cell_id} must end in #cell-id={cell_id} (it lands on the cell), "
-                                f"not {m.group(6) or 'no fragment'}")
+                problems.append(
+                    f"line {lineno}: the link to {cell_id} must end in #cell-id={cell_id} (it lands on the cell), "
+                    f"not {m.group(6) or 'no fragment'}"
+                )
             if task != file_task:
                 problems.append(f"line {lineno}: Task{task} label on {target}")
             elif nb is None:
@@ -146,7 +152,9 @@ def test_quoted_check_lines_are_in_the_cited_cells_outputs(page):
             quoted += 1
             before = [m for m in refs if m.end() <= pos]
             if not before:
-                problems.append(f"line {lineno}: check line quoted without a cell reference before it: {span!r}")
+                problems.append(
+                    f"line {lineno}: check line quoted without a cell reference before it: {span!r}"
+                )
                 continue
             ref = before[-1]
             nb = _notebook((REFERENCE / ref.group(3)).resolve())
@@ -155,7 +163,9 @@ def test_quoted_check_lines_are_in_the_cited_cells_outputs(page):
             if cell is None:
                 continue  # reported by test_cell_references_point_at_existing_cells
             if cell["cell_type"] != "code":
-                problems.append(f"line {lineno}: {ref.group(3)} {cell_id} is {cell['cell_type']}, it prints nothing: {span!r}")
+                problems.append(
+                    f"line {lineno}: {ref.group(3)} {cell_id} is {cell['cell_type']}, it prints nothing: {span!r}"
+                )
             elif _collapse(span) not in _outputs(cell):
                 problems.append(f"line {lineno}: not in the outputs of {ref.group(3)} {cell_id}: {span!r}")
     assert quoted > 0, f"{page} quotes no check line"
@@ -172,10 +182,14 @@ def test_placeholders_only_for_notebooks_not_yet_run(page):
         nb = _notebook(path) if path else None
         ready = nb is not None and _executed(nb)
         if ready:
-            assert task not in waiting, f"{page}: placeholder for Task{task}, but {path.name} is committed with outputs: write its entries"
+            assert task not in waiting, (
+                f"{page}: placeholder for Task{task}, but {path.name} is committed with outputs: write its entries"
+            )
             assert task in cited, f"{page}: {path.name} exists with outputs but the page never cites it"
         else:
-            assert task in waiting, f"{page}: Task{task} has no run notebook yet: mark its place with （Task{task} 页面完成后补充）"
+            assert task in waiting, (
+                f"{page}: Task{task} has no run notebook yet: mark its place with （Task{task} 页面完成后补充）"
+            )
 
 
 def _defined(module: Path, names: list[str]) -> bool:
@@ -185,8 +199,11 @@ def _defined(module: Path, names: list[str]) -> bool:
     for k, name in enumerate(names):
         found = None
         for node in body:
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainmech.") and \
-                    any((a.asname or a.name) == name for a in node.names):  # a package re-exports it: look where it lives
+            if (
+                isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("trainmech.")
+                and any((a.asname or a.name) == name for a in node.names)
+            ):  # a package re-exports it: look where it lives
                 source = ROOT.joinpath(*node.module.split("."))
                 source = source / "__init__.py" if source.is_dir() else source.with_suffix(".py")
                 return source.is_file() and _defined(source, names[k:])
@@ -235,11 +252,15 @@ def test_notebook_cell_ids_are_meaningful_not_positional():
     for path in sorted(NOTEBOOKS.glob("Task*.ipynb")):
         ids = [c.get("id", "") for c in _notebook(path)["cells"]]
         assert len(set(ids)) == len(ids), f"{path.name}: duplicate cell ids"
-        assert all(re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", i) for i in ids), f"{path.name}: an id nbformat rejects"
+        assert all(re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", i) for i in ids), (
+            f"{path.name}: an id nbformat rejects"
+        )
         if found := [i for i in ids if POSITIONAL.fullmatch(i)]:
             positional[path.name] = found
-    assert not positional, ("positional cell ids; give each a meaningful id in notebooks/cell_ids.toml and run "
-                            f"python -m trainmech twins --rename-ids: {positional}")
+    assert not positional, (
+        "positional cell ids; give each a meaningful id in notebooks/cell_ids.toml and run "
+        f"python -m trainmech twins --rename-ids: {positional}"
+    )
 
 
 def test_the_cell_id_map_is_applied():
@@ -247,7 +268,9 @@ def test_the_cell_id_map_is_applied():
     from trainmech import cellids
 
     report = cellids.apply(write=False)
-    assert not report.changed, f"run python -m trainmech twins --rename-ids: {[p.name for p in report.changed]}"
+    assert not report.changed, (
+        f"run python -m trainmech twins --rename-ids: {[p.name for p in report.changed]}"
+    )
 
 
 def test_pages_pass_the_glossary_lint():

@@ -1,4 +1,5 @@
 """Result records (trainmech.results): the model, the atomic writer, the reader, the registry."""
+
 from __future__ import annotations
 
 import io
@@ -19,7 +20,9 @@ pytestmark = pytest.mark.package
 REPO = Path(__file__).resolve().parent.parent
 
 
-def full_record(semantic_id: str = "TRAIN-GRADIENT-ACCUMULATION", workload_id: str = "cpu-seq32", **conclusion) -> dict:
+def full_record(
+    semantic_id: str = "TRAIN-GRADIENT-ACCUMULATION", workload_id: str = "cpu-seq32", **conclusion
+) -> dict:
     """A record with every group and every field filled (nothing left to defaults)."""
     return {
         "schema_version": 2,
@@ -82,7 +85,13 @@ def full_record(semantic_id: str = "TRAIN-GRADIENT-ACCUMULATION", workload_id: s
             "next_step": "measure on the GPU",
             **conclusion,
         },
-        "metrics": {"loss": 5.25, "losses": [5.25, 5.0], "by_split": {"1": 0.0, "2": 1e-7}, "note": "中文", "ok": True},
+        "metrics": {
+            "loss": 5.25,
+            "losses": [5.25, 5.0],
+            "by_split": {"1": 0.0, "2": 1e-7},
+            "note": "中文",
+            "ok": True,
+        },
     }
 
 
@@ -119,9 +128,17 @@ def test_minimal_record_fills_unknowns_with_null(tmp_path):
 def test_record_has_the_six_groups_of_the_registry():
     fields = set(results.Record.model_fields)
     assert {"identity", "workload", "environment", "correctness", "resources", "conclusion"} <= fields
-    assert {"semantic_id", "workload_id", "run_label", "page", "notebook", "candidate"} <= set(results.Identity.model_fields)
-    assert {"peak_allocated_bytes", "peak_reserved_bytes", "step_time_median_s", "step_time_p95_s",
-            "transfer_bytes", "recompute_count"} <= set(results.Resources.model_fields)
+    assert {"semantic_id", "workload_id", "run_label", "page", "notebook", "candidate"} <= set(
+        results.Identity.model_fields
+    )
+    assert {
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "step_time_median_s",
+        "step_time_p95_s",
+        "transfer_bytes",
+        "recompute_count",
+    } <= set(results.Resources.model_fields)
     assert {"failure", "evidence_level", "decision", "next_step"} <= set(results.Conclusion.model_fields)
 
 
@@ -251,13 +268,17 @@ def test_reader_refuses_a_decision_outside_accept_tune_reject(tmp_path, decision
 
 @pytest.mark.parametrize("decision", ["accept", "tune", "reject", None])
 def test_reader_accepts_each_decision_and_null(tmp_path, decision):
-    path = write_json(tmp_path / "TRAIN-GRADIENT-ACCUMULATION__cpu-seq32.json", full_record(decision=decision))
+    path = write_json(
+        tmp_path / "TRAIN-GRADIENT-ACCUMULATION__cpu-seq32.json", full_record(decision=decision)
+    )
     assert results.read_record(path).conclusion.decision == decision
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
 def test_reader_refuses_nan_and_infinity(tmp_path, literal):
-    text = json.dumps(full_record()).replace('"output_max_abs_error": 1.5e-07', f'"output_max_abs_error": {literal}')
+    text = json.dumps(full_record()).replace(
+        '"output_max_abs_error": 1.5e-07', f'"output_max_abs_error": {literal}'
+    )
     assert literal in text
     refuse(tmp_path, text)
 
@@ -332,7 +353,9 @@ def rows(markdown: str) -> dict[str, list[str]]:
 def rec(semantic_id: str, workload_id: str, **conclusion) -> results.Record:
     data = full_record(semantic_id, workload_id, **{"decision": None, **conclusion})
     if conclusion.get("evidence_level") == "gpu-measured":  # GPU evidence comes from a GPU
-        data["environment"].update(device="cuda:0", gpu="NVIDIA H200", gpu_memory_bytes=150_000_000_000, cuda="12.8")
+        data["environment"].update(
+            device="cuda:0", gpu="NVIDIA H200", gpu_memory_bytes=150_000_000_000, cuda="12.8"
+        )
     return results.Record.model_validate(data)
 
 
@@ -348,9 +371,16 @@ def test_registry_lists_every_experiment_and_no_record_without_records():
 def test_registry_experiments_are_the_architecture_ones():
     ids = {e["semantic_id"] for e in results.experiments()}
     assert {
-        "TRAIN-LOCAL-BACKWARD", "TRAIN-ATTENTION-BACKWARD", "TRAIN-GRADIENT-ACCUMULATION", "TRAIN-SCHEDULER-CLOCK",
-        "TRAIN-UPDATE-DYNAMICS", "TRAIN-CONTINUAL-PRETRAIN", "TRAIN-AMP-BACKWARD", "TRAIN-CHECKPOINT",
-        "TRAIN-OFFLOAD", "TRAIN-STATE-LEDGER",
+        "TRAIN-LOCAL-BACKWARD",
+        "TRAIN-ATTENTION-BACKWARD",
+        "TRAIN-GRADIENT-ACCUMULATION",
+        "TRAIN-SCHEDULER-CLOCK",
+        "TRAIN-UPDATE-DYNAMICS",
+        "TRAIN-CONTINUAL-PRETRAIN",
+        "TRAIN-AMP-BACKWARD",
+        "TRAIN-CHECKPOINT",
+        "TRAIN-OFFLOAD",
+        "TRAIN-STATE-LEDGER",
     } <= ids
     for e in results.experiments():
         assert {"semantic_id", "page", "notebook", "comparison", "metrics", "reference"} <= set(e)
@@ -395,30 +425,61 @@ def test_evidence_levels_are_ordered_weakest_first():
     assert set(levels) == set(typing.get_args(results.Evidence))
     assert (levels[0], levels[-1]) == ("cpu-mechanism", "gpu-measured")
     for i, weaker in enumerate(levels):
-        for stronger in levels[i + 1:]:
-            pair = [rec("TRAIN-CHECKPOINT", "cpu-b2s128", evidence_level=weaker),
-                    rec("TRAIN-CHECKPOINT", "b2s512_default2", evidence_level=stronger)]
+        for stronger in levels[i + 1 :]:
+            pair = [
+                rec("TRAIN-CHECKPOINT", "cpu-b2s128", evidence_level=weaker),
+                rec("TRAIN-CHECKPOINT", "b2s512_default2", evidence_level=stronger),
+            ]
             for records in (pair, pair[::-1]):
-                assert results.evidence_status(records) == f"{stronger} (b2s512_default2, cpu-b2s128)", (weaker, stronger)
+                assert results.evidence_status(records) == f"{stronger} (b2s512_default2, cpu-b2s128)", (
+                    weaker,
+                    stronger,
+                )
     assert results.evidence_status([]) == "no record"
 
 
 # ---------------------------------------------------------------- registry: Task6's gate and memory-strategy records
 
 
-def gate_record(semantic_id, workload_id, level="cpu-mechanism", decision=None, failure=None, label="unit") -> results.Record:
+def gate_record(
+    semantic_id, workload_id, level="cpu-mechanism", decision=None, failure=None, label="unit"
+) -> results.Record:
     gpu = level == "gpu-measured"  # GPU evidence comes from a GPU
-    return results.validate({
-        "identity": {"semantic_id": semantic_id, "workload_id": workload_id, "run_label": label, "page": "Task6",
-                     "notebook": "Task6_gates_evidence", "candidate": workload_id.split(".")[-1]},
-        "workload": {"model_id": "trainmech/qwen2-tiny", "model_weights": "random-init seed=0", "tokenizer": "t",
-                     "input_shape": [4, 32], "effective_batch": {"sequences": 4, "supervised_tokens": 58}, "dtype": "float32", "seed": 0},
-        "environment": {"profile_id": "TRAIN-CPU", "run_mode": "cpu", "python": "3.11", "torch": "2", "transformers": "5",
-                        "accelerate": None, "cuda": "12.8" if gpu else None, "gpu": "NVIDIA H200" if gpu else None,
-                        "gpu_memory_bytes": 150_000_000_000 if gpu else None, "device": "cuda:0" if gpu else "cpu"},
-        "conclusion": {"evidence_level": level, "decision": decision, "failure": failure},
-        "metrics": {"gates": {"inputs": True, "gradients": True}, "note": "中文"},
-    })
+    return results.validate(
+        {
+            "identity": {
+                "semantic_id": semantic_id,
+                "workload_id": workload_id,
+                "run_label": label,
+                "page": "Task6",
+                "notebook": "Task6_gates_evidence",
+                "candidate": workload_id.split(".")[-1],
+            },
+            "workload": {
+                "model_id": "trainmech/qwen2-tiny",
+                "model_weights": "random-init seed=0",
+                "tokenizer": "t",
+                "input_shape": [4, 32],
+                "effective_batch": {"sequences": 4, "supervised_tokens": 58},
+                "dtype": "float32",
+                "seed": 0,
+            },
+            "environment": {
+                "profile_id": "TRAIN-CPU",
+                "run_mode": "cpu",
+                "python": "3.11",
+                "torch": "2",
+                "transformers": "5",
+                "accelerate": None,
+                "cuda": "12.8" if gpu else None,
+                "gpu": "NVIDIA H200" if gpu else None,
+                "gpu_memory_bytes": 150_000_000_000 if gpu else None,
+                "device": "cuda:0" if gpu else "cpu",
+            },
+            "conclusion": {"evidence_level": level, "decision": decision, "failure": failure},
+            "metrics": {"gates": {"inputs": True, "gradients": True}, "note": "中文"},
+        }
+    )
 
 
 GATE_RECORDS = [
@@ -441,12 +502,15 @@ def test_registry_is_byte_identical_when_regenerated_from_the_same_records(tmp_p
         shuffled = results.read_records(run)
         random.Random(seed).shuffle(shuffled)
         assert results.registry_markdown(shuffled, "unit").encode("utf-8") == first
-    before = {p.name: p.read_bytes() for p in results.record_paths(run)}  # a read-write round trip changes no byte
+    before = {
+        p.name: p.read_bytes() for p in results.record_paths(run)
+    }  # a read-write round trip changes no byte
     for p in results.record_paths(run):
         results.write_record(results.read_record(p), run)
     assert {p.name: p.read_bytes() for p in results.record_paths(run)} == before
 
-    from trainmech import __main__ as cli, runner
+    from trainmech import __main__ as cli
+    from trainmech import runner
 
     monkeypatch.setattr(runner, "RESULTS_ROOT", tmp_path)
     printed = []
@@ -461,23 +525,38 @@ def test_registry_is_byte_identical_when_regenerated_from_the_same_records(tmp_p
 def test_registry_rows_for_the_gates_and_the_memory_strategy_interface():
     md = results.registry_markdown(GATE_RECORDS, "unit")
     row = {line.split(" / ")[0].lstrip("| "): line for line in md.splitlines() if " / " in line}
-    assert "gpu-measured (b4s256_gates.checkpoint, cpu-gates.checkpoint); decision accept" in row["TRAIN-CHECKPOINT"]
+    assert (
+        "gpu-measured (b4s256_gates.checkpoint, cpu-gates.checkpoint); decision accept"
+        in row["TRAIN-CHECKPOINT"]
+    )
     assert "Part 02 · 76" in row["TRAIN-MEMORY-STRATEGY"] and "1 failed" in row["TRAIN-MEMORY-STRATEGY"]
     assert "cpu-mechanism (cpu-gates)" in row["TRAIN-CORRECTNESS-GATE"]
-    assert md.index("TRAIN-MEMORY-STRATEGY") < md.index("TRAIN-SOMETHING-NEW")  # unknown ids after the registry's own
+    assert md.index("TRAIN-MEMORY-STRATEGY") < md.index(
+        "TRAIN-SOMETHING-NEW"
+    )  # unknown ids after the registry's own
 
 
 def test_runs_with_gpu_evidence_are_found_by_their_records(tmp_path):
-    for label, records in (("cpu-run", GATE_RECORDS[:1]), ("h200-run", GATE_RECORDS[:3])):  # a record's run label is its folder
+    for label, records in (
+        ("cpu-run", GATE_RECORDS[:1]),
+        ("h200-run", GATE_RECORDS[:3]),
+    ):  # a record's run label is its folder
         for r in records:
-            results.write_record(r.model_copy(update={"identity": r.identity.model_copy(update={"run_label": label})}),
-                                 tmp_path / label)
-    (tmp_path / "h200-run" / "BROKEN__x.json").write_text("{", encoding="utf-8")  # left out, as the runner does
+            results.write_record(
+                r.model_copy(update={"identity": r.identity.model_copy(update={"run_label": label})}),
+                tmp_path / label,
+            )
+    (tmp_path / "h200-run" / "BROKEN__x.json").write_text(
+        "{", encoding="utf-8"
+    )  # left out, as the runner does
     (tmp_path / ".staging-x").mkdir()
     found = results.runs_with_evidence(tmp_path, "gpu-measured")
     assert list(found) == ["h200-run"] and len(found["h200-run"]) == 3
     assert list(results.runs_with_evidence(tmp_path, "cpu-mechanism")) == ["cpu-run", "h200-run"]
-    with pytest.raises(TrainmechError, match="unknown evidence level 'measured'; valid: cpu-mechanism, not-measured, gpu-measured"):
+    with pytest.raises(
+        TrainmechError,
+        match="unknown evidence level 'measured'; valid: cpu-mechanism, not-measured, gpu-measured",
+    ):
         results.runs_with_evidence(tmp_path, "measured")
 
 
@@ -570,7 +649,9 @@ def test_gpu_evidence_needs_a_gpu(tmp_path):
     with pytest.raises(TrainmechError, match="gpu-measured"):
         results.write_record(data, tmp_path / "w")
     assert not (tmp_path / "w").exists()
-    data["environment"].update(device="cuda:0", gpu="NVIDIA H200", gpu_memory_bytes=150_000_000_000, cuda="12.8")
+    data["environment"].update(
+        device="cuda:0", gpu="NVIDIA H200", gpu_memory_bytes=150_000_000_000, cuda="12.8"
+    )
     assert results.read_record(record_file(tmp_path, data)).conclusion.evidence_level == "gpu-measured"
     assert "gpu" in text
 
@@ -642,7 +723,10 @@ def test_registry_lists_invalid_records_instead_of_refusing(tmp_path):
     folder = tmp_path / "unit"
     results.write_record(full_record(), folder)
     (folder / "TRAIN-LOOP__bad.json").write_bytes(b"\xff")
-    write_json(folder / "TRAIN-CHECKPOINT__x.json", full_record("TRAIN-CHECKPOINT", "x", evidence_level="gpu-measured"))
+    write_json(
+        folder / "TRAIN-CHECKPOINT__x.json",
+        full_record("TRAIN-CHECKPOINT", "x", evidence_level="gpu-measured"),
+    )
     records, invalid = results.read_run(folder)
     assert [r.filename for r in records] == ["TRAIN-GRADIENT-ACCUMULATION__cpu-seq32.json"]
     assert sorted(invalid) == ["TRAIN-CHECKPOINT__x.json", "TRAIN-LOOP__bad.json"]

@@ -3,6 +3,7 @@
 Runs execute in real kernels, so the tests share a few runs through module fixtures (each for
 --jobs 1 and --jobs 2) and copy their result folders. Faults, refusals and signals: test_runner_faults.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,20 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from runner_notebooks import (
-    LABEL, RECORDS, WRITE, leftovers, make_notebook, old_run, run, run_json, snapshot, three_notebooks, writer,
+    LABEL,
+    RECORDS,
+    WRITE,
+    leftovers,
+    make_notebook,
+    old_run,
+    run,
+    run_json,
+    snapshot,
+    three_notebooks,
+    writer,
 )
+
 from trainmech import results, runner
 from trainmech.errors import TrainmechError
 
@@ -154,7 +165,9 @@ def test_registry_and_provenance_are_written(first_run):
     assert f"`{LABEL}`" in md
     for e in results.experiments():
         assert f"| {e['semantic_id']} / " in md, e["semantic_id"]
-    lines = {line.split(" / ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| TRAIN-")}
+    lines = {
+        line.split(" / ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| TRAIN-")
+    }
     assert "cpu-mechanism (cpu-loop)" in lines["TRAIN-LOOP"]
     assert "cpu-mechanism (cpu-loop)" in lines["TRAIN-LOCAL-BACKWARD"]  # the failed notebook's record counts
     assert "no record" in lines["TRAIN-OFFLOAD"]
@@ -163,7 +176,9 @@ def test_registry_and_provenance_are_written(first_run):
     assert env["intra_op_threads"] == 1 and env["cpu_capability"] and env["cpu"]
     assert set(env) == {"cpu", "cpu_capability", "blas", "onednn", "intra_op_threads", "numeric_env"}
     task0 = results.read_record(partial / RECORDS["Task0_a"]).environment
-    assert {k: getattr(task0, k) for k in env if k != "numeric_env"} == {k: v for k, v in env.items() if k != "numeric_env"}
+    assert {k: getattr(task0, k) for k in env if k != "numeric_env"} == {
+        k: v for k, v in env.items() if k != "numeric_env"
+    }
     assert summary["jobs"] in (1, 2)
     if sys.platform == "linux":  # peak RSS is read from /proc
         peaks = [n["peak_rss_bytes"] for n in summary["notebooks"]]
@@ -178,7 +193,10 @@ def test_no_staging_or_lock_left_and_environment_restored(first_run):
 
 
 def test_jobs_1_and_2_give_the_same_records_and_outputs(tmp_path_factory):
-    (_, _, one, *_), (_, _, two, *_) = three_notebook_run(tmp_path_factory, 1), three_notebook_run(tmp_path_factory, 2)
+    (_, _, one, *_), (_, _, two, *_) = (
+        three_notebook_run(tmp_path_factory, 1),
+        three_notebook_run(tmp_path_factory, 2),
+    )
     one, two = one / f"{LABEL}.partial", two / f"{LABEL}.partial"
     assert run_json(one)["jobs"] == 1 and run_json(two)["jobs"] == 2
     files = sorted(str(p.relative_to(one)) for p in one.rglob("*") if p.is_file())
@@ -189,7 +207,9 @@ def test_jobs_1_and_2_give_the_same_records_and_outputs(tmp_path_factory):
 
     def untimed(summary: dict) -> dict:
         drop = {"seconds", "started_at", "jobs", "peak_rss_sum_bytes", "peak_rss_bytes"}
-        return {k: [untimed(n) for n in v] if k == "notebooks" else v for k, v in summary.items() if k not in drop}
+        return {
+            k: [untimed(n) for n in v] if k == "notebooks" else v for k, v in summary.items() if k not in drop
+        }
 
     assert untimed(run_json(one)) == untimed(run_json(two))
     assert runner.compare_runs(one, two) == []
@@ -199,7 +219,9 @@ def test_relative_paths_are_taken_from_where_the_runner_starts(tmp_path, monkeyp
     make_notebook(tmp_path / "nbs", "Task0_a", writer("Task0_a", "TRAIN-LOOP", "cpu-loop"))
     monkeypatch.chdir(tmp_path)  # the kernel itself runs in the notebooks' folder
     assert run(Path("nbs"), Path("res")) == 0
-    assert (tmp_path / "res" / LABEL / RECORDS["Task0_a"]).is_file() and not (tmp_path / "nbs" / "res").exists()
+    assert (tmp_path / "res" / LABEL / RECORDS["Task0_a"]).is_file() and not (
+        tmp_path / "nbs" / "res"
+    ).exists()
 
 
 # ---------------------------------------------------------------- complete runs replace, --only merges
@@ -210,7 +232,8 @@ def test_a_complete_run_replaces_the_label_and_removes_the_partial_one(ok_run):
     assert code == 0
     folder = root / LABEL
     assert sorted(p.name for p in folder.iterdir()) == sorted(
-        ["REGISTRY.md", RECORDS["Task0_a"], RECORDS["Task2_c"], "notebooks", "run.json"])  # the old record is gone
+        ["REGISTRY.md", RECORDS["Task0_a"], RECORDS["Task2_c"], "notebooks", "run.json"]
+    )  # the old record is gone
     assert sorted(p.name for p in root.iterdir()) == [LABEL]
     summary = run_json(folder)
     assert summary["status"] == "ok" and summary["only"] is None
@@ -235,9 +258,14 @@ def test_only_merges_into_the_label_and_keeps_the_other_notebooks(ok_copy):
     assert json.loads(after[RECORDS["Task0_a"]])["workload"]["seed"] == 7  # this notebook's, replaced
     summary = run_json(copy / LABEL)
     assert summary["only"] == ["Task0_a"] and summary["status"] == "ok"
-    assert [(n["notebook"], n["parameters"]) for n in summary["notebooks"]] == [("Task0_a", {"SEED": 7}), ("Task2_c", {})]
+    assert [(n["notebook"], n["parameters"]) for n in summary["notebooks"]] == [
+        ("Task0_a", {"SEED": 7}),
+        ("Task2_c", {}),
+    ]
     md = (copy / LABEL / "REGISTRY.md").read_text(encoding="utf-8")
-    assert "cpu-mechanism (cpu-b2s128)" in next(line for line in md.splitlines() if line.startswith("| TRAIN-CHECKPOINT"))
+    assert "cpu-mechanism (cpu-b2s128)" in next(
+        line for line in md.splitlines() if line.startswith("| TRAIN-CHECKPOINT")
+    )
     assert leftovers(copy) == []
 
 
@@ -267,39 +295,63 @@ def test_only_refuses_to_merge_into_another_mode_or_a_folder_without_run_json(tm
     assert leftovers(root) == []
 
 
-
 # ---------------------------------------------------------------- per-notebook failures stay per-notebook
 
 
 def test_bad_parameters_cells_and_invalid_records_fail_only_their_notebook(tmp_path):
     notebooks = tmp_path / "notebooks"
     make_notebook(notebooks, "Task0_noparams", ["print(1)"], parameters=None)
-    make_notebook(notebooks, "Task1_badrecord", [
-        WRITE.format(notebook="Task1_badrecord"),
-        'write("TRAIN-LOOP", "cpu-loop")\n'
-        'd = Path(os.environ["TRAINMECH_RESULTS_DIR"])\n'
-        '(d / "TRAIN-CHECKPOINT__bad.json").write_bytes(b"\\xff\\xfe")\n'
-        '(d / "TRAIN-OFFLOAD__deep.json").write_text("[" * 100000 + "]" * 100000)',
-    ])
-    make_notebook(notebooks, "Task2_otherlabel", [WRITE.format(notebook="Task2_otherlabel"), 'write("TRAIN-OFFLOAD", "x", "other")'])
-    make_notebook(notebooks, "Task3_fine", [WRITE.format(notebook="Task3_fine"), 'write("TRAIN-AMP-BACKWARD", "cpu")'])
+    make_notebook(
+        notebooks,
+        "Task1_badrecord",
+        [
+            WRITE.format(notebook="Task1_badrecord"),
+            'write("TRAIN-LOOP", "cpu-loop")\n'
+            'd = Path(os.environ["TRAINMECH_RESULTS_DIR"])\n'
+            '(d / "TRAIN-CHECKPOINT__bad.json").write_bytes(b"\\xff\\xfe")\n'
+            '(d / "TRAIN-OFFLOAD__deep.json").write_text("[" * 100000 + "]" * 100000)',
+        ],
+    )
+    make_notebook(
+        notebooks,
+        "Task2_otherlabel",
+        [WRITE.format(notebook="Task2_otherlabel"), 'write("TRAIN-OFFLOAD", "x", "other")'],
+    )
+    make_notebook(
+        notebooks, "Task3_fine", [WRITE.format(notebook="Task3_fine"), 'write("TRAIN-AMP-BACKWARD", "cpu")']
+    )
     root = tmp_path / "results"
     assert run(notebooks, root) == 1
     partial = root / f"{LABEL}.partial"
     noparams, badrecord, otherlabel, fine = run_json(partial)["notebooks"]
-    assert noparams["status"] == "failed" and "parameters" in noparams["error"]["evalue"] and noparams["records"] == []
+    assert (
+        noparams["status"] == "failed"
+        and "parameters" in noparams["error"]["evalue"]
+        and noparams["records"] == []
+    )
     assert badrecord["status"] == "failed" and badrecord["error"]["ename"] == "InvalidRecord"
     assert "TRAIN-CHECKPOINT__bad.json is not UTF-8" in badrecord["error"]["evalue"]
-    assert badrecord["records"] == ["TRAIN-CHECKPOINT__bad.json", "TRAIN-LOOP__cpu-loop.json", "TRAIN-OFFLOAD__deep.json"]
+    assert badrecord["records"] == [
+        "TRAIN-CHECKPOINT__bad.json",
+        "TRAIN-LOOP__cpu-loop.json",
+        "TRAIN-OFFLOAD__deep.json",
+    ]
     assert otherlabel["status"] == "failed" and "belongs to run 'other'" in otherlabel["error"]["evalue"]
     assert fine["status"] == "ok"
     md = (partial / "REGISTRY.md").read_text(encoding="utf-8")  # valid records count, invalid ones are listed
-    assert "cpu-mechanism (cpu-loop)" in next(line for line in md.splitlines() if line.startswith("| TRAIN-LOOP"))
+    assert "cpu-mechanism (cpu-loop)" in next(
+        line for line in md.splitlines() if line.startswith("| TRAIN-LOOP")
+    )
     assert "no record" in next(line for line in md.splitlines() if line.startswith("| TRAIN-CHECKPOINT"))
-    assert "`TRAIN-OFFLOAD__deep.json`: record TRAIN-OFFLOAD__deep.json is not readable JSON (nested too deeply)" in md
-    assert "`TRAIN-OFFLOAD__x.json`" in md and (partial / "TRAIN-CHECKPOINT__bad.json").read_bytes() == b"\xff\xfe"
+    assert (
+        "`TRAIN-OFFLOAD__deep.json`: record TRAIN-OFFLOAD__deep.json is not readable JSON (nested too deeply)"
+        in md
+    )
+    assert (
+        "`TRAIN-OFFLOAD__x.json`" in md
+        and (partial / "TRAIN-CHECKPOINT__bad.json").read_bytes() == b"\xff\xfe"
+    )
     assert leftovers(root) == [] and not (root / LABEL).exists()
-
 
 
 # ---------------------------------------------------------------- kernels on a bare Python (the GPU machine)
@@ -309,11 +361,16 @@ def test_kernels_run_this_interpreter_and_import_this_checkout_and_go_on_past_er
     """No venv, no installed copy: the kernel is the runner's own interpreter and finds trainmech
     through the PYTHONPATH the runner gives it; allow_errors runs every cell and still fails the notebook."""
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    cells = ["import sys, trainmech\nprint(sys.executable)\nprint(trainmech.__file__)",
-             'raise RuntimeError("first")', 'print("after the error")']
+    cells = [
+        "import sys, trainmech\nprint(sys.executable)\nprint(trainmech.__file__)",
+        'raise RuntimeError("first")',
+        'print("after the error")',
+    ]
     notebooks = tmp_path / "notebooks"
     make_notebook(notebooks, "Task0_probe", cells)
-    code = runner.run("cpu", LABEL, notebooks_dir=notebooks, results_root=tmp_path / "r", progress=False, allow_errors=True)
+    code = runner.run(
+        "cpu", LABEL, notebooks_dir=notebooks, results_root=tmp_path / "r", progress=False, allow_errors=True
+    )
     partial = tmp_path / "r" / f"{LABEL}.partial"  # a failed notebook: the run is kept beside the label
     nb = nbformat.read(partial / "notebooks" / "Task0_probe.ipynb", as_version=4)
     executable, package = nb.cells[-3].outputs[0]["text"].split()
@@ -329,14 +386,21 @@ def test_a_run_keeps_each_notebooks_check_log(tmp_path):
     beside the records, and --only keeps the other notebooks' logs."""
     notebooks = tmp_path / "notebooks"
     for stem in ("Task0_a", "Task1_b"):
-        make_notebook(notebooks, stem, [
-            "import os\nfrom pathlib import Path\n"
-            "log = Path(os.environ['TRAINMECH_RESULTS_DIR']) / 'checks' / f'{NOTEBOOK}.jsonl'\n"
-            "log.parent.mkdir(exist_ok=True)\nlog.write_text(f'{{\"seed\": {SEED}}}\\n')"],
-            parameters=f'RUN_MODE = "cpu"\nRUN_LABEL = "local"\nSEED = 0\nNOTEBOOK = {stem!r}')
+        make_notebook(
+            notebooks,
+            stem,
+            [
+                "import os\nfrom pathlib import Path\n"
+                "log = Path(os.environ['TRAINMECH_RESULTS_DIR']) / 'checks' / f'{NOTEBOOK}.jsonl'\n"
+                "log.parent.mkdir(exist_ok=True)\nlog.write_text(f'{{\"seed\": {SEED}}}\\n')"
+            ],
+            parameters=f'RUN_MODE = "cpu"\nRUN_LABEL = "local"\nSEED = 0\nNOTEBOOK = {stem!r}',
+        )
     root = tmp_path / "results"
     assert run(notebooks, root) == 0
     assert sorted(p.name for p in (root / LABEL / "checks").iterdir()) == ["Task0_a.jsonl", "Task1_b.jsonl"]
     assert run(notebooks, root, only=["Task1"], overrides={"SEED": "4"}) == 0
     logs = root / LABEL / "checks"
-    assert (logs / "Task0_a.jsonl").read_text() == '{"seed": 0}\n' and (logs / "Task1_b.jsonl").read_text() == '{"seed": 4}\n'
+    assert (logs / "Task0_a.jsonl").read_text() == '{"seed": 0}\n' and (
+        logs / "Task1_b.jsonl"
+    ).read_text() == '{"seed": 4}\n'

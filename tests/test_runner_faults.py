@@ -2,6 +2,7 @@
 lock, stale staging, filesystem errors, timeouts and real signals sent to a real process; and how
 --jobs is chosen, ordered and shown.
 """
+
 from __future__ import annotations
 
 import errno
@@ -14,10 +15,21 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from runner_notebooks import (
-    LABEL, SLEEPER, leftovers, make_notebook, old_run, run, run_json, running, snapshot, start_cli, wait_for, writer,
+    LABEL,
+    SLEEPER,
+    leftovers,
+    make_notebook,
+    old_run,
+    run,
+    run_json,
+    running,
+    snapshot,
+    start_cli,
+    wait_for,
+    writer,
 )
+
 from trainmech import execution, runfolder, runner
 from trainmech.errors import TrainmechError
 
@@ -29,7 +41,7 @@ pytestmark = pytest.mark.package
 
 NOTEBOOKS_FOR_REFUSALS = {
     "Task0_a": 'RUN_MODE = "cpu"\nRUN_LABEL = "local"\nSEED = 0\nLR = 1e-2\nWORKLOAD = None\nSKIP_AT = (2, 9)\n'
-               'NAME = "x"\nFLAG = False\nCOMPUTED = 2 ** 10',
+    'NAME = "x"\nFLAG = False\nCOMPUTED = 2 ** 10',
     "Task1_b": 'RUN_MODE = "cpu"\nRUN_LABEL = "local"\nSEED = 0',
 }
 
@@ -76,7 +88,9 @@ def refusal_notebooks(tmp_path_factory):
         ({"overrides": {"COMPUTED": "3"}}, ["COMPUTED", "computed"]),
     ],
 )
-def test_bad_input_is_refused_in_one_line_before_anything_is_written(refusal_notebooks, tmp_path, kwargs, words):
+def test_bad_input_is_refused_in_one_line_before_anything_is_written(
+    refusal_notebooks, tmp_path, kwargs, words
+):
     root = tmp_path / "results"
     root.mkdir()
     (root / "record.schema.json").write_text("{}", encoding="utf-8")
@@ -85,21 +99,39 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_written(refusal_not
     before = snapshot(root)
     args = {"run_mode": "cpu", "run_label": LABEL, **kwargs}
     with pytest.raises(TrainmechError) as e:
-        runner.run(args.pop("run_mode"), args.pop("run_label"), notebooks_dir=refusal_notebooks, results_root=root,
-                   progress=False, **args)
+        runner.run(
+            args.pop("run_mode"),
+            args.pop("run_label"),
+            notebooks_dir=refusal_notebooks,
+            results_root=root,
+            progress=False,
+            **args,
+        )
     text = str(e.value)
     assert "\n" not in text and len(text) < 400, text
     for w in words:
         assert w in text, (w, text)
-    assert snapshot(root) == before and sorted(p.name for p in root.iterdir()) == ["own", "record.schema.json"]
+    assert snapshot(root) == before and sorted(p.name for p in root.iterdir()) == [
+        "own",
+        "record.schema.json",
+    ]
 
 
 @pytest.mark.parametrize(
     "name, text, value",
-    [("SEED", "5", 5), ("LR", "1", 1.0), ("LR", "3e-4", 3e-4), ("WORKLOAD", "cpu-seq32", "cpu-seq32"),
-     ("WORKLOAD", "None", None), ("WORKLOAD", "{'qwen2-tiny': [(1, 32)]}", {"qwen2-tiny": [(1, 32)]}),
-     ("SKIP_AT", "[3, 5]", (3, 5)), ("SKIP_AT", "4,", (4,)), ("NAME", "1", "1"), ("NAME", "'y z'", "y z"),
-     ("FLAG", "True", True)],
+    [
+        ("SEED", "5", 5),
+        ("LR", "1", 1.0),
+        ("LR", "3e-4", 3e-4),
+        ("WORKLOAD", "cpu-seq32", "cpu-seq32"),
+        ("WORKLOAD", "None", None),
+        ("WORKLOAD", "{'qwen2-tiny': [(1, 32)]}", {"qwen2-tiny": [(1, 32)]}),
+        ("SKIP_AT", "[3, 5]", (3, 5)),
+        ("SKIP_AT", "4,", (4,)),
+        ("NAME", "1", "1"),
+        ("NAME", "'y z'", "y z"),
+        ("FLAG", "True", True),
+    ],
 )
 def test_overrides_take_values_of_the_defaults_type(refusal_notebooks, name, text, value):
     planned = runner.plan_overrides(runner.discover(refusal_notebooks), {name: text})
@@ -112,7 +144,13 @@ def test_cuda_mode_is_refused_without_cuda(refusal_notebooks, tmp_path, monkeypa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(TrainmechError, match="CUDA"):
-        runner.run("TRAIN-CUDA-MECHANISM", LABEL, notebooks_dir=refusal_notebooks, results_root=tmp_path / "r", progress=False)
+        runner.run(
+            "TRAIN-CUDA-MECHANISM",
+            LABEL,
+            notebooks_dir=refusal_notebooks,
+            results_root=tmp_path / "r",
+            progress=False,
+        )
     assert not (tmp_path / "r").exists()
 
 
@@ -137,8 +175,10 @@ def test_a_held_label_is_refused_and_other_labels_are_not(refusal_notebooks, tmp
 
 def test_the_lock_is_held_across_processes(tmp_path):
     root = tmp_path / "results"
-    code = ("import sys, time; from pathlib import Path; from trainmech import runfolder\n"
-            "with runfolder.label_lock(Path(sys.argv[1]), 'lbl'):\n    print('held', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from pathlib import Path; from trainmech import runfolder\n"
+        "with runfolder.label_lock(Path(sys.argv[1]), 'lbl'):\n    print('held', flush=True); time.sleep(60)"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -153,17 +193,25 @@ def test_the_lock_is_held_across_processes(tmp_path):
 
 
 def test_stale_staging_of_dead_processes_is_removed(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     dead_pid = int(dead.stdout)
     root = tmp_path / "results"
-    for name in (f".staging-{LABEL}-{dead_pid}", f".old-{LABEL}-{dead_pid}", f".staging-{LABEL}-{os.getppid()}",
-                 f".staging-{LABEL}-1-{dead_pid}", f".staging-other-{dead_pid}"):
+    for name in (
+        f".staging-{LABEL}-{dead_pid}",
+        f".old-{LABEL}-{dead_pid}",
+        f".staging-{LABEL}-{os.getppid()}",
+        f".staging-{LABEL}-1-{dead_pid}",
+        f".staging-other-{dead_pid}",
+    ):
         (root / name).mkdir(parents=True)
         (root / name / "x").write_text("x", encoding="utf-8")
     removed = runfolder.remove_stale(root, LABEL)
     assert sorted(removed) == sorted([f".staging-{LABEL}-{dead_pid}", f".old-{LABEL}-{dead_pid}"])
     assert sorted(p.name for p in root.iterdir()) == sorted(
-        [f".staging-{LABEL}-{os.getppid()}", f".staging-{LABEL}-1-{dead_pid}", f".staging-other-{dead_pid}"])
+        [f".staging-{LABEL}-{os.getppid()}", f".staging-{LABEL}-1-{dead_pid}", f".staging-other-{dead_pid}"]
+    )
 
 
 def test_replace_dir_swaps_whole_folders_and_rolls_back(tmp_path, monkeypatch):
@@ -190,14 +238,15 @@ def test_replace_dir_swaps_whole_folders_and_rolls_back(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".staging-lbl-1", "lbl"]
 
 
-
 JOBS = pytest.mark.parametrize("jobs", [1, 2], ids=["jobs1", "jobs2"])
 
 
 @JOBS
 def test_a_timeout_is_reported_as_timeout_and_the_others_still_run(tmp_path, jobs):
     notebooks = tmp_path / "notebooks"
-    make_notebook(notebooks, "Task0_slow", ["print('start')", "import time\ntime.sleep(600)", "print('never')"])
+    make_notebook(
+        notebooks, "Task0_slow", ["print('start')", "import time\ntime.sleep(600)", "print('never')"]
+    )
     make_notebook(notebooks, "Task1_quick", ["print('quick')"])
     root = tmp_path / "results"
     t0 = time.monotonic()
@@ -207,7 +256,11 @@ def test_a_timeout_is_reported_as_timeout_and_the_others_still_run(tmp_path, job
     slow, quick = summary["notebooks"]
     assert summary["jobs"] == jobs
     assert slow["status"] == "timeout"
-    assert slow["error"] == {"ename": "Timeout", "evalue": "the notebook ran past its limit of 10 s", "cell": 4}
+    assert slow["error"] == {
+        "ename": "Timeout",
+        "evalue": "the notebook ran past its limit of 10 s",
+        "cell": 4,
+    }
     assert 10 <= slow["seconds"] < 40
     assert quick["status"] == "ok"
     executed = nbformat.read(root / f"{LABEL}.partial" / "notebooks" / "Task0_slow.ipynb", as_version=4)
@@ -227,18 +280,24 @@ def test_a_filesystem_error_at_the_end_is_one_line_and_keeps_the_old_results(tmp
     monkeypatch.setattr(runfolder, "replace_dir", disk_full)
     with pytest.raises(TrainmechError) as e:
         run(notebooks, root)
-    assert str(e.value) == (f"could not write the run's results (No space left on device: {root / LABEL}); "
-                            f"results/{LABEL} is unchanged")
+    assert str(e.value) == (
+        f"could not write the run's results (No space left on device: {root / LABEL}); "
+        f"results/{LABEL} is unchanged"
+    )
     assert snapshot(root / LABEL) == before
     assert leftovers(root) == [] and sorted(p.name for p in root.iterdir()) == [LABEL]
 
 
-def test_an_unwritable_results_folder_is_refused_before_any_notebook_runs(refusal_notebooks, tmp_path, monkeypatch):
+def test_an_unwritable_results_folder_is_refused_before_any_notebook_runs(
+    refusal_notebooks, tmp_path, monkeypatch
+):
     def read_only(staging):
         raise PermissionError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(runfolder, "new_staging", read_only)
-    with pytest.raises(TrainmechError, match=r"cannot write into .* \(Read-only file system\); no notebook was run"):
+    with pytest.raises(
+        TrainmechError, match=r"cannot write into .* \(Read-only file system\); no notebook was run"
+    ):
         run(refusal_notebooks, tmp_path / "results")
     assert leftovers(tmp_path / "results") == []
 
@@ -247,12 +306,21 @@ def test_an_unwritable_results_folder_is_refused_before_any_notebook_runs(refusa
 
 
 @JOBS
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"]
+)
 def test_a_signal_mid_notebook_stops_the_run_and_changes_nothing(tmp_path, signum, code, jobs):
     notebooks = tmp_path / "notebooks"
     markers = [tmp_path / f"kernel{i}.pid" for i in range(2)]
-    for i, marker in enumerate(markers):  # two notebooks that sleep; with --jobs 2 both run when the signal comes
-        make_notebook(notebooks, f"Task{i}_sleep", SLEEPER, parameters=f'RUN_MODE = "cpu"\nRUN_LABEL = "local"\nMARKER = {str(marker)!r}')
+    for i, marker in enumerate(
+        markers
+    ):  # two notebooks that sleep; with --jobs 2 both run when the signal comes
+        make_notebook(
+            notebooks,
+            f"Task{i}_sleep",
+            SLEEPER,
+            parameters=f'RUN_MODE = "cpu"\nRUN_LABEL = "local"\nMARKER = {str(marker)!r}',
+        )
     make_notebook(notebooks, "Task2_c", writer("Task2_c", "TRAIN-CHECKPOINT", "cpu-b2s128"))
     root = tmp_path / "results"
     before = old_run(root / LABEL)
@@ -263,7 +331,10 @@ def test_a_signal_mid_notebook_stops_the_run_and_changes_nothing(tmp_path, signu
     out, err = process.communicate(timeout=30)
     assert process.returncode == code, err
     assert time.monotonic() - t0 < 15  # promptly: not after the sleeping cell, not after the next notebook
-    assert err.splitlines()[-1] == f"trainmech: interrupted ({signal.Signals(signum).name}); results/ is unchanged"
+    assert (
+        err.splitlines()[-1]
+        == f"trainmech: interrupted ({signal.Signals(signum).name}); results/ is unchanged"
+    )
     assert "Traceback" not in err and "Task2_c" not in err  # the next notebook never started
     assert snapshot(root / LABEL) == before
     assert sorted(p.name for p in root.iterdir()) == [LABEL]  # no staging, no partial, no lock
@@ -283,16 +354,25 @@ def test_jobs_default_to_the_cores_and_are_capped_by_memory(monkeypatch):
     assert execution.choose_jobs(None, 20, "cpu", None) == (8, None)
     assert execution.choose_jobs(3, 20, "cpu", None) == (3, None)
     assert execution.choose_jobs(None, 7, "cuda", None) == (1, None)  # one GPU
-    previous = {"notebooks": [{"notebook": "Task3_x", "peak_rss_bytes": 16 * execution.GiB}, {"notebook": "Task0_y"}]}
+    previous = {
+        "notebooks": [{"notebook": "Task3_x", "peak_rss_bytes": 16 * execution.GiB}, {"notebook": "Task0_y"}]
+    }
     n, note = execution.choose_jobs(None, 7, "cpu", previous)  # 0.8 * 64 GiB holds 3 kernels of 16 GiB
-    assert n == 3 and note == "7 kernels at once lowered to 3: 64.0 GiB of memory is available and a kernel may take 16.0 GiB"
+    assert (
+        n == 3
+        and note
+        == "7 kernels at once lowered to 3: 64.0 GiB of memory is available and a kernel may take 16.0 GiB"
+    )
     monkeypatch.setattr(execution, "available_memory", lambda: 1 * execution.GiB)
     assert execution.choose_jobs(4, 7, "cpu", None)[0] == 1  # never below one
     monkeypatch.setattr(execution, "available_memory", lambda: None)
     assert execution.choose_jobs(4, 7, "cpu", previous) == (4, None)
 
 
-@pytest.mark.parametrize("jobs, mode, words", [(0, "cpu", "positive"), (-1, "cpu", "positive"), (2, "TRAIN-CUDA-MECHANISM", "one GPU")])
+@pytest.mark.parametrize(
+    "jobs, mode, words",
+    [(0, "cpu", "positive"), (-1, "cpu", "positive"), (2, "TRAIN-CUDA-MECHANISM", "one GPU")],
+)
 def test_bad_jobs_are_refused(jobs, mode, words, monkeypatch):
     import torch
 
@@ -303,8 +383,14 @@ def test_bad_jobs_are_refused(jobs, mode, words, monkeypatch):
 
 def test_longest_first_uses_the_last_run_times():
     stems = ["Task0_a", "Task1_b", "Task2_c", "Task3_d"]
-    previous = {"notebooks": [{"notebook": "Task0_a", "seconds": 7.0}, {"notebook": "Task1_b", "seconds": 17.0},
-                              {"notebook": "Task2_c", "seconds": "x"}, {"notebook": "Task3_d", "seconds": 7.0}]}
+    previous = {
+        "notebooks": [
+            {"notebook": "Task0_a", "seconds": 7.0},
+            {"notebook": "Task1_b", "seconds": 17.0},
+            {"notebook": "Task2_c", "seconds": "x"},
+            {"notebook": "Task3_d", "seconds": 7.0},
+        ]
+    }
     assert execution.longest_first(stems, previous) == ["Task2_c", "Task1_b", "Task0_a", "Task3_d"]
     assert execution.longest_first(stems, None) == stems
 
@@ -324,7 +410,9 @@ def test_progress_names_every_running_notebook():
 
     stream = io.StringIO()
     show = execution.Progress(True, 7, stream=stream, live=True)
-    jobs = [execution.Job(Path(f"{stem}.ipynb"), {}, Path("o"), Path("r"), 1.0) for stem in ("Task3_a", "Task6_b")]
+    jobs = [
+        execution.Job(Path(f"{stem}.ipynb"), {}, Path("o"), Path("r"), 1.0) for stem in ("Task3_a", "Task6_b")
+    ]
     jobs[0].cell, jobs[0].cells = 12, 60
     jobs[0].started = jobs[1].started = time.monotonic() - 5
     show.tick(jobs)
@@ -336,7 +424,9 @@ def test_progress_names_every_running_notebook():
 def test_benchmark_runs_both_and_compares(tmp_path):
     notebooks = tmp_path / "notebooks"
     make_notebook(notebooks, "Task0_a", writer("Task0_a", "TRAIN-LOOP", "cpu-loop"))
-    make_notebook(notebooks, "Task1_b", writer("Task1_b", "TRAIN-CHECKPOINT", "cpu") + ["print('took 1.25 s')"])
+    make_notebook(
+        notebooks, "Task1_b", writer("Task1_b", "TRAIN-CHECKPOINT", "cpu") + ["print('took 1.25 s')"]
+    )
     lines = []
     ratio = runner.benchmark_jobs(2, notebooks_dir=notebooks, out=lines.append)
     assert ratio > 0 and len(lines) == 4
@@ -348,10 +438,26 @@ def test_benchmark_runs_both_and_compares(tmp_path):
 def test_executed_copies_join_the_chunks_of_a_print():
     from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-    nb = new_notebook(cells=[new_code_cell("x", outputs=[
-        new_output("stream", name="stdout", text="a\n"), new_output("stream", name="stdout", text="b\n"),
-        new_output("stream", name="stderr", text="w\n"), new_output("stream", name="stdout", text="c\n"),
-        new_output("display_data", data={"text/plain": "fig"}), new_output("stream", name="stdout", text="d\n")])])
+    nb = new_notebook(
+        cells=[
+            new_code_cell(
+                "x",
+                outputs=[
+                    new_output("stream", name="stdout", text="a\n"),
+                    new_output("stream", name="stdout", text="b\n"),
+                    new_output("stream", name="stderr", text="w\n"),
+                    new_output("stream", name="stdout", text="c\n"),
+                    new_output("display_data", data={"text/plain": "fig"}),
+                    new_output("stream", name="stdout", text="d\n"),
+                ],
+            )
+        ]
+    )
     outputs = execution.merge_streams(nb).cells[0].outputs
     assert [(o.output_type, o.get("text")) for o in outputs] == [
-        ("stream", "a\nb\n"), ("stream", "w\n"), ("stream", "c\n"), ("display_data", None), ("stream", "d\n")]
+        ("stream", "a\nb\n"),
+        ("stream", "w\n"),
+        ("stream", "c\n"),
+        ("display_data", None),
+        ("stream", "d\n"),
+    ]

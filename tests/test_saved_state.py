@@ -25,9 +25,14 @@ def randn(gen, *shape, scale=1.0, dtype=torch.float64):
 
 
 @FAST
-@given(seed=st.integers(0, 2**31 - 1), lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
-       n_in=st.integers(1, 6), n_out=st.integers(1, 6), with_bias=st.booleans(),
-       dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    n_in=st.integers(1, 6),
+    n_out=st.integers(1, 6),
+    with_bias=st.booleans(),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+)
 def test_task2_linear_saves_what_autograd_saves(seed, lead, n_in, n_out, with_bias, dtype):
     gen = torch.Generator().manual_seed(seed)
     x, w = randn(gen, *lead, n_in, dtype=dtype), randn(gen, n_out, n_in, dtype=dtype)
@@ -40,8 +45,12 @@ def test_task2_linear_saves_what_autograd_saves(seed, lead, n_in, n_out, with_bi
 
 
 @FAST
-@given(seed=st.integers(0, 2**31 - 1), shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), data=st.data(),
-       dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+)
 def test_task2_softmax_saves_what_autograd_saves(seed, shape, data, dtype):
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
     x = randn(torch.Generator().manual_seed(seed), *shape, dtype=dtype)
@@ -106,6 +115,12 @@ def test_task2_format_table_aligns_columns():
     assert text.splitlines() == ["op       bytes", "-------  -----", "linear   8,192", "softmax    128"]
     # a column is as wide as its widest cell or header; only all-number columns are right-aligned
     # (booleans are not numbers here), headers always left
-    text = saved_state.format_table(["layer", "n", "mixed", "ok"], [["a", 1234567, 1, True], ["bb", 5, "x", False]])
-    assert text.splitlines() == ["layer  n          mixed  ok", "-----  ---------  -----  -----",
-                                 "a      1,234,567  1      True", "bb             5  x      False"]
+    text = saved_state.format_table(
+        ["layer", "n", "mixed", "ok"], [["a", 1234567, 1, True], ["bb", 5, "x", False]]
+    )
+    assert text.splitlines() == [
+        "layer  n          mixed  ok",
+        "-----  ---------  -----  -----",
+        "a      1,234,567  1      True",
+        "bb             5  x      False",
+    ]

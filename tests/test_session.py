@@ -1,4 +1,5 @@
 """The run session (trainmech.session): parameter checks, seeding, environment, where records go."""
+
 from __future__ import annotations
 
 import platform
@@ -173,8 +174,12 @@ def test_record_writes_a_valid_record_where_the_environment_says(monkeypatch, tm
 def test_record_keeps_an_explicit_evidence_level_and_decision(tmp_path):
     s = session.start("cpu", "lbl", results_dir=tmp_path)
     rec = s.record(
-        "TRAIN-LOOP", "cpu-loop", built=s.build_model(), input_shape=[4, 32],
-        effective_batch={"sequences": 4, "supervised_tokens": None}, dtype="float32",
+        "TRAIN-LOOP",
+        "cpu-loop",
+        built=s.build_model(),
+        input_shape=[4, 32],
+        effective_batch={"sequences": 4, "supervised_tokens": None},
+        dtype="float32",
         conclusion={"evidence_level": "not-measured", "decision": "tune"},
     )
     assert (rec.conclusion.evidence_level, rec.conclusion.decision) == ("not-measured", "tune")
@@ -210,8 +215,15 @@ def test_workload_for_refuses_an_unknown_semantic_id_or_workload():
 def test_record_refuses_a_bad_record_in_one_sentence_and_writes_nothing(tmp_path, kwargs, words):
     s = session.start("cpu", "lbl", results_dir=tmp_path / "out")
     with pytest.raises(TrainmechError) as e:
-        s.record("TRAIN-LOOP", "cpu-loop", built=s.build_model(), input_shape=[4, 32],
-                 effective_batch={"sequences": 4}, dtype="float32", **kwargs)
+        s.record(
+            "TRAIN-LOOP",
+            "cpu-loop",
+            built=s.build_model(),
+            input_shape=[4, 32],
+            effective_batch={"sequences": 4},
+            dtype="float32",
+            **kwargs,
+        )
     assert "\n" not in str(e.value)
     for w in words:
         assert w in str(e.value)

@@ -1,4 +1,5 @@
 """Task3 · amp: the dtypes autocast really uses, the scaler's skip and growth, accelerate on CPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,9 @@ def scaled_attempt(model, opt, scaler, factor=1.0):
 # ---------------------------------------------------------------- dtypes
 
 
-@pytest.mark.parametrize("precision, expected", [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")])
+@pytest.mark.parametrize(
+    "precision, expected", [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")]
+)
 def test_activation_dtypes_sees_what_ran(precision, expected):
     model = small_model()
     with amp.activation_dtypes(model, ("Linear",)) as seen, amp.autocast(CPU, precision):
@@ -63,7 +66,11 @@ def test_overflow_skips_halves_the_scale_and_leaves_state_bitwise_unchanged():
     assert not scaled_attempt(model, opt, scaler, factor=1e6)  # overflows inside the FP16 backward
     assert scaler.get_scale() == 2.0**7
     assert all(torch.equal(p, t) for p, t in zip(model.parameters(), theta))
-    assert all(torch.equal(opt.state[p][k], state[(i, k)]) for i, p in enumerate(model.parameters()) for k in opt.state[p])
+    assert all(
+        torch.equal(opt.state[p][k], state[(i, k)])
+        for i, p in enumerate(model.parameters())
+        for k in opt.state[p]
+    )
 
 
 def test_scale_grows_after_growth_interval_clean_updates():

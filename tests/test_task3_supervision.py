@@ -1,4 +1,5 @@
 """Task3 · supervision: effective supervised tokens, the two normalisations, the refused windows."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -46,7 +47,9 @@ def full_batch_grads(model, batch):
     """The reference: one forward over the whole batch, mean over its supervised tokens."""
     model.zero_grad(set_to_none=True)
     logits = model(batch["input_ids"], batch["attention_mask"]).logits
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+    loss = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX
+    )
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -90,7 +93,9 @@ def test_token_weights_sum_to_one_and_agree_only_for_equal_counts(tokens):
     for norm in supervision.NORMALIZATIONS:
         weights = supervision.token_weights(tokens, norm)
         assert abs(sum(w * n for w, n in zip(weights, tokens)) - 1) < 1e-12
-    same = supervision.token_weights(tokens, "micro_mean") == supervision.token_weights(tokens, "window_tokens")
+    same = supervision.token_weights(tokens, "micro_mean") == supervision.token_weights(
+        tokens, "window_tokens"
+    )
     assert same == (len(set(tokens)) == 1)
 
 
@@ -123,7 +128,9 @@ def test_token_loss_sum_is_the_shifted_sum():
     labels[0, 3:] = IGNORE_INDEX
     expected = sum(
         F.cross_entropy(logits[b, t][None], labels[b, t + 1][None])
-        for b in range(2) for t in range(4) if labels[b, t + 1] != IGNORE_INDEX
+        for b in range(2)
+        for t in range(4)
+        if labels[b, t + 1] != IGNORE_INDEX
     )
     assert torch.allclose(supervision.token_loss_sum(logits, labels), expected, rtol=1e-6)
     assert supervision.token_loss_sum(logits, torch.full_like(labels, IGNORE_INDEX)).item() == 0.0
@@ -146,7 +153,9 @@ def test_window_tokens_matches_the_full_batch(batch, n):
 
 
 def test_micro_mean_diverges_when_counts_are_unequal():
-    batch = workload.pad_batch([[1, 2, 3, 4, 5, 6], [7, 8, 9], [2, 4, 6, 8], [3, 5]], supervise_from=[0, 1, 2, 0])
+    batch = workload.pad_batch(
+        [[1, 2, 3, 4, 5, 6], [7, 8, 9], [2, 4, 6, 8], [3, 5]], supervise_from=[0, 1, 2, 0]
+    )
     model = ToyLM()
     _, g_ref = full_batch_grads(model, batch)
     micro = workload.split_micro_batches(batch, 2)
@@ -190,7 +199,8 @@ def test_real_qwen2_window_matches_its_own_loss_in_fp32(tiny_profile_model):
     built = tiny_profile_model(seed=0)
     model = built.model
     batch = workload.pad_batch(
-        [list(range(5, 21)), list(range(30, 37)), list(range(40, 52)), list(range(60, 66))], supervise_from=[0, 3, 8, 1]
+        [list(range(5, 21)), list(range(30, 37)), list(range(40, 52)), list(range(60, 66))],
+        supervise_from=[0, 3, 8, 1],
     )
     model.zero_grad(set_to_none=True)
     model(**batch).loss.backward()
@@ -251,8 +261,13 @@ def test_autocast_wraps_each_forward_and_contexts_wrap_each_micro_batch():
 
     micro = workload.split_micro_batches(_uneven(), 2)
     model = ToyLM()
-    supervision.accumulate_gradients(model, micro, autocast=lambda: tagged("autocast"), contexts=(lambda m: tagged("strategy"),),
-                                     forward_kwargs={})
+    supervision.accumulate_gradients(
+        model,
+        micro,
+        autocast=lambda: tagged("autocast"),
+        contexts=(lambda m: tagged("strategy"),),
+        forward_kwargs={},
+    )
     assert events == ["enter strategy", "enter autocast", "exit autocast", "exit strategy"] * 2
 
 
@@ -278,7 +293,11 @@ def test_accumulation_experiment_reports_both_normalizations_and_record_fields()
     from trainmech.session import start
 
     session = start("cpu", "scratch-tests", results_dir="/tmp/trainmech-test-unused")
-    wid = next(w for w, spec in session.profile.workloads.items() if "TRAIN-GRADIENT-ACCUMULATION" in spec.experiments)
+    wid = next(
+        w
+        for w, spec in session.profile.workloads.items()
+        if "TRAIN-GRADIENT-ACCUMULATION" in spec.experiments
+    )
     result = supervision.accumulation_experiment(session, wid, lr=1e-3, warmup=0, timed_windows=1)
     assert max(result.errors("window_tokens")) <= 1e-6 < 1e-2 <= min(result.errors("micro_mean"))
     fields = result.record_fields()

@@ -1,4 +1,5 @@
 """Task3 · update: the update clock, the WSD schedule and its boundaries, clipping, displacement, resumable state."""
+
 from __future__ import annotations
 
 import random
@@ -22,8 +23,15 @@ def transformers_lambda(warmup, stable, decay, min_lr_ratio, warmup_type, decay_
     from transformers import get_wsd_schedule
 
     dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    sched = get_wsd_schedule(dummy, num_warmup_steps=warmup, num_stable_steps=stable, num_decay_steps=decay,
-                             warmup_type=warmup_type, decay_type=decay_type, min_lr_ratio=min_lr_ratio)
+    sched = get_wsd_schedule(
+        dummy,
+        num_warmup_steps=warmup,
+        num_stable_steps=stable,
+        num_decay_steps=decay,
+        warmup_type=warmup_type,
+        decay_type=decay_type,
+        min_lr_ratio=min_lr_ratio,
+    )
     return sched.lr_lambdas[0]
 
 
@@ -61,20 +69,37 @@ def test_step_if_finite_skips_a_nan_gradient_and_leaves_everything_unchanged():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6), st.sampled_from([0.0, 0.1, 0.25]), SHAPES, SHAPES)
+@given(
+    st.integers(0, 6), st.integers(0, 6), st.integers(0, 6), st.sampled_from([0.0, 0.1, 0.25]), SHAPES, SHAPES
+)
 def test_wsd_equals_transformers_at_every_step(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type):
     theirs = transformers_lambda(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type)
-    kw = dict(warmup_steps=warmup, stable_steps=stable, decay_steps=decay, min_lr_ratio=min_lr_ratio,
-              warmup_type=warmup_type, decay_type=decay_type)
+    kw = dict(
+        warmup_steps=warmup,
+        stable_steps=stable,
+        decay_steps=decay,
+        min_lr_ratio=min_lr_ratio,
+        warmup_type=warmup_type,
+        decay_type=decay_type,
+    )
     for step in range(warmup + stable + decay + 3):
         assert update.wsd_multiplier(step, **kw) == theirs(step), step
 
 
 @given(st.integers(1, 8), st.integers(1, 8), st.integers(2, 8), st.sampled_from([0.0, 0.1]), SHAPES, SHAPES)
 def test_wsd_boundaries(warmup, stable, decay, floor, warmup_type, decay_type):
-    kw = dict(warmup_steps=warmup, stable_steps=stable, decay_steps=decay, min_lr_ratio=floor,
-              warmup_type=warmup_type, decay_type=decay_type)
-    m = lambda s: update.wsd_multiplier(s, **kw)
+    kw = dict(
+        warmup_steps=warmup,
+        stable_steps=stable,
+        decay_steps=decay,
+        min_lr_ratio=floor,
+        warmup_type=warmup_type,
+        decay_type=decay_type,
+    )
+
+    def m(s):
+        return update.wsd_multiplier(s, **kw)
+
     phases = dict(warmup_steps=warmup, stable_steps=stable, decay_steps=decay)
     assert m(0) == floor  # every warmup shape starts at the floor
     assert m(warmup - 1) < 1.0 or warmup == 1 and floor == 1.0
@@ -158,10 +183,17 @@ def run_with_checkpoint(folder, first, total):
     random.seed(7)
     np.random.seed(7)
     position = toy_training(model, opt, scaler, clock, 0, first)
-    fields = update.save_training_state(folder, model=model, optimizer=opt, scaler=scaler, clock=clock,
-                                        data_position=position)
-    saved = {"clock": update.UpdateClock(**clock.state_dict()), "position": position, "scaler": scaler.state_dict(),
-             "params": update.snapshot(model), "python": random.random(), "numpy": np.random.rand()}
+    fields = update.save_training_state(
+        folder, model=model, optimizer=opt, scaler=scaler, clock=clock, data_position=position
+    )
+    saved = {
+        "clock": update.UpdateClock(**clock.state_dict()),
+        "position": position,
+        "scaler": scaler.state_dict(),
+        "params": update.snapshot(model),
+        "python": random.random(),
+        "numpy": np.random.rand(),
+    }
     toy_training(model, opt, scaler, clock, position, total - first)  # saving read the state only
     return fields, saved, update.snapshot(model)
 
@@ -186,7 +218,9 @@ def test_checkpoint_round_trip_and_bitwise_resume(tmp_path):
 def test_resume_without_the_rng_state_diverges(tmp_path):
     _, saved, uninterrupted = run_with_checkpoint(tmp_path, 2, 4)
     model, opt, scaler, _ = fresh(seed=5)
-    clock, position = update.load_training_state(tmp_path, model=model, optimizer=opt, scaler=scaler, restore_rng=False)
+    clock, position = update.load_training_state(
+        tmp_path, model=model, optimizer=opt, scaler=scaler, restore_rng=False
+    )
     toy_training(model, opt, scaler, clock, position, 2)
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), uninterrupted))
 
@@ -201,7 +235,7 @@ def test_load_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
 
 
 def test_all_finite_sees_inf_and_nan_anywhere_and_never_overflows_on_finite_values():
-    ok = [torch.full((3,), 3e38), torch.ones(2, dtype=torch.float16) * 60000]   # huge but finite
+    ok = [torch.full((3,), 3e38), torch.ones(2, dtype=torch.float16) * 60000]  # huge but finite
     assert bool(update.all_finite(ok))
     for bad in (float("inf"), float("-inf"), float("nan")):
         assert not bool(update.all_finite([torch.ones(4), torch.tensor([1.0, bad])]))
@@ -256,10 +290,21 @@ def test_run_attempts_skips_the_injected_attempt_and_reads_lr_from_the_clock():
         loss.backward()
         return loss.detach(), update.step_if_finite(opt)
 
-    log = update.run_attempts(attempt, batches, model=model, optimizer=opt, scaler=scaler, base_lr=1e-3, wsd=wsd,
-                              device=torch.device("cpu"))
+    log = update.run_attempts(
+        attempt,
+        batches,
+        model=model,
+        optimizer=opt,
+        scaler=scaler,
+        base_lr=1e-3,
+        wsd=wsd,
+        device=torch.device("cpu"),
+    )
     assert log.stepped == [True, True, False, True, True, True] and log.loss[2] is None
-    assert log.clock.state_dict() == {"effective_updates": 5, "skipped_updates": 1} and log.optimizer_steps == {5}
+    assert log.clock.state_dict() == {
+        "effective_updates": 5,
+        "skipped_updates": 1,
+    } and log.optimizer_steps == {5}
     assert log.lr[3] == log.lr[2] == 1e-3 * update.wsd_multiplier(2, **wsd)
     assert log.finite_params and set(log.step_times(0)) == {"step_time_median_s", "step_time_p95_s"}
 
@@ -273,12 +318,19 @@ def test_dynamics_run_measures_the_clipped_norm_and_displacement():
         def forward(self, input_ids):
             logits = self.net(input_ids)
             from types import SimpleNamespace
+
             return SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits[:-1], input_ids[1:]))
 
     model = LM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = {"input_ids": torch.arange(6) % 7}
-    run = update.dynamics_run(model, opt, [batch] * 3, max_norm=0.01, eval_batch=batch, device=torch.device("cpu"))
+    run = update.dynamics_run(
+        model, opt, [batch] * 3, max_norm=0.01, eval_batch=batch, device=torch.device("cpu")
+    )
     assert all(g > 0.01 for g in run.grad_norm) and max(run.clipped_norm) <= 0.01 * (1 + 1e-5)
     assert run.displacement[0] == pytest.approx(0.1 * run.clipped_norm[0], rel=1e-5)
-    assert all(run.finite) and model.training and set(run.series()) == {"loss", "grad_norm", "clip_coef", "displacement"}
+    assert (
+        all(run.finite)
+        and model.training
+        and set(run.series()) == {"loss", "grad_norm", "clip_coef", "displacement"}
+    )

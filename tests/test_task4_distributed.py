@@ -53,7 +53,10 @@ def test_every_stage_is_predicted_rank_by_rank(reports):
     shape = ledger.model_shape("qwen2-tiny")
     for r in reports:
         book = zero.per_rank("qwen2-tiny", 4, 32, r.stage, r.world_size, r.rank)
-        assert book.peak_overlap().bytes == r.peak_bytes and book.peak_overlap().phase == r.peak_phase, (r.stage, r.world_size)
+        assert book.peak_overlap().bytes == r.peak_bytes and book.peak_overlap().phase == r.peak_phase, (
+            r.stage,
+            r.world_size,
+        )
         assert zero.held_per_rank("qwen2-tiny", r.stage, r.world_size, r.rank) == r.held
         measured = {k: (c.calls, c.payload_bytes) for k, c in r.collectives.items()}
         assert measured == zero.communication(shape, r.stage, r.world_size), (r.stage, r.world_size)
@@ -64,7 +67,10 @@ def test_every_stage_is_predicted_rank_by_rank(reports):
 def test_sharding_divides_what_the_stage_promises(reports):
     held = {(r.stage, r.world_size, r.rank): r.held for r in reports}
     one = held[(0, 1, 0)]
-    assert held[(1, 2, 0)]["optimizer_states"] + held[(1, 2, 1)]["optimizer_states"] == one["optimizer_states"] + 4 * 0
+    assert (
+        held[(1, 2, 0)]["optimizer_states"] + held[(1, 2, 1)]["optimizer_states"]
+        == one["optimizer_states"] + 4 * 0
+    )
     for stage in (2, 3):
         assert all(held[(stage, 2, r)][k] == one[k] // 2 for r in (0, 1) for k in ("parameters", "gradients"))
     assert held[(0, 2, 0)] == one  # DDP: everything on every rank
@@ -91,13 +97,16 @@ def test_pytorchs_comm_debug_mode_counts_the_same_collectives():
         assert r.comm_debug_counts == {k: c.calls for k, c in r.collectives.items()}, r.stage
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"world_sizes": (8,)}, "world size 8 is larger than the batch of 4"),
-    ({"world_sizes": (3,)}, "does not split evenly over 3 ranks"),
-    ({"stages": (4,)}, "stage must be 0, 1, 2 or 3"),
-    ({"world_sizes": (0,)}, "a world size must be a positive integer"),
-    ({"start_method": "thread"}, "start method 'thread' is not available"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"world_sizes": (8,)}, "world size 8 is larger than the batch of 4"),
+        ({"world_sizes": (3,)}, "does not split evenly over 3 ranks"),
+        ({"stages": (4,)}, "stage must be 0, 1, 2 or 3"),
+        ({"world_sizes": (0,)}, "a world size must be a positive integer"),
+        ({"start_method": "thread"}, "start method 'thread' is not available"),
+    ],
+)
 def test_bad_input_is_refused_in_one_line(kwargs, words):
     with pytest.raises(TrainmechError, match=words) as e:
         distributed.run(**kwargs)
@@ -129,16 +138,33 @@ def test_a_run_past_its_timeout_stops_every_process():
 
 def test_spawned_workers_import_the_module_afresh():
     """What a notebook kernel needs: the worker is a module-level function, so "spawn" can start it."""
-    r, = distributed.run(stages=(0,), world_sizes=(1,), start_method="spawn", timeout=300)
+    (r,) = distributed.run(stages=(0,), world_sizes=(1,), start_method="spawn", timeout=300)
     assert r.held["parameters"] == 4 * ledger.model_shape("qwen2-tiny").n_params
 
 
 def test_torchrun_runs_the_same_worker():
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                          "trainmech.distributed", "--stage", "2"], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "trainmech.distributed",
+            "--stage",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
     assert [line.split()[1] for line in lines] == ["0/2", "1/2"]
     assert all("parameters 251,008 B" in line for line in lines)  # half of the 502,016 parameter bytes each
-    alone = subprocess.run([sys.executable, "-m", "trainmech.distributed"], capture_output=True, text=True, timeout=300)
+    alone = subprocess.run(
+        [sys.executable, "-m", "trainmech.distributed"], capture_output=True, text=True, timeout=300
+    )
     assert alone.returncode == 2 and alone.stderr.count("\n") == 1 and "torchrun" in alone.stderr

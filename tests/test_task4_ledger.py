@@ -44,11 +44,15 @@ def test_korthikanti_table_2_and_worked_ratios():
     sel = ledger.korthikanti_activation_bytes(s, b, h, a, t=8, sequence_parallel=True, recompute="selective")
     assert sel == pytest.approx(sbh * 34 / 8)
     assert 1 - sel / sp == pytest.approx(0.70, abs=0.005)  # selective recompute: -70 % for GPT-3
-    assert ledger.korthikanti_activation_bytes(s, b, h, a, t=8, recompute="selective") == pytest.approx(sbh * (10 + 3))
+    assert ledger.korthikanti_activation_bytes(s, b, h, a, t=8, recompute="selective") == pytest.approx(
+        sbh * (10 + 3)
+    )
     assert ledger.korthikanti_activation_bytes(s, b, h, a, recompute="full") == pytest.approx(2 * sbh)
     s2, h2, a2 = 2048, 20480, 128  # MT-NLG 530B: 5as/h = 64, selective recompute -65 %
     full = ledger.korthikanti_activation_bytes(s2, 1, h2, a2, t=8, sequence_parallel=True)
-    part = ledger.korthikanti_activation_bytes(s2, 1, h2, a2, t=8, sequence_parallel=True, recompute="selective")
+    part = ledger.korthikanti_activation_bytes(
+        s2, 1, h2, a2, t=8, sequence_parallel=True, recompute="selective"
+    )
     assert 5 * a2 * s2 / h2 == 64 and 1 - part / full == pytest.approx(0.65, abs=0.005)
     with pytest.raises(TrainmechError, match="recompute"):
         ledger.korthikanti_activation_bytes(s, b, h, a, recompute="partial")
@@ -57,9 +61,16 @@ def test_korthikanti_table_2_and_worked_ratios():
 # ----------------------------------------------------------------------------- state bytes
 
 HAND = {  # small enough to count by hand
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 10, "hidden_size": 4,
-    "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "tie_word_embeddings": True, "hidden_act": "silu",
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 10,
+    "hidden_size": 4,
+    "intermediate_size": 8,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
 }
 
 
@@ -71,20 +82,26 @@ def test_category_bytes_on_a_hand_counted_config():
     book = ledger.training_state_lifecycle(HAND, 1, 3, first_step=True)
     got = book.state_bytes()
     assert got["parameters"] == 4 * n and got["gradients"] == 4 * n
-    assert got["optimizer_states"] == 2 * 4 * n + 4 * len(shape.parameter_tensors())  # two moments + step counters
+    assert got["optimizer_states"] == 2 * 4 * n + 4 * len(
+        shape.parameter_tensors()
+    )  # two moments + step counters
     # one layer (b=1, s=3, h=4, heads 2 × d 2, 1 kv head, I=8), fp32: per norm x 12 + rsqrt 3 + normed 12 + out 12
     # elements; q 12, k 6, v 6, sdpa out 12, logsumexp 2*3; mlp 4 × 24
     elements = 2 * (12 + 3 + 12 + 12) + 12 + 6 + 6 + 12 + 6 + 4 * 24
     assert sum(t.nbytes for t in ledger.layer_saved(shape, 1, 3)) == 4 * elements
     bf16 = ledger.training_state_lifecycle(HAND, 1, 3, dtype="mixed-bf16", device="cuda").state_bytes()
-    assert bf16["parameters"] + bf16["gradients"] + bf16["optimizer_states"] == 16 * n  # ZeRO's 2 + 2 + K, K = 12
+    assert (
+        bf16["parameters"] + bf16["gradients"] + bf16["optimizer_states"] == 16 * n
+    )  # ZeRO's 2 + 2 + K, K = 12
 
 
 def test_the_pinned_qwen2_5_0_5b_count_and_named_parameters_order():
     assert ledger.model_shape("qwen2.5-0.5b").n_params == 494_032_768
     spec = profiles.for_mode("cpu").model("qwen2-tiny")
     model = workload.build_model(spec, seed=0).model
-    assert ledger.model_shape(model.config).parameter_tensors() == [(n, p.numel()) for n, p in model.named_parameters()]
+    assert ledger.model_shape(model.config).parameter_tensors() == [
+        (n, p.numel()) for n, p in model.named_parameters()
+    ]
 
 
 def test_lifecycle_semantics():
@@ -96,7 +113,9 @@ def test_lifecycle_semantics():
     assert by_name["lm_head.weight.grad_pending"].category == "upstream_grads"
     assert by_name["layer.0.mlp.gate"].created == "forward.layer.0"
     assert by_name["layer.0.mlp.gate"].released_at == "backward.layer.0:mlp"
-    assert by_name["layer.1.input_layernorm.x_fp32"].created == "forward.layer.0"  # the residual, kept by reference
+    assert (
+        by_name["layer.1.input_layernorm.x_fp32"].created == "forward.layer.0"
+    )  # the residual, kept by reference
     peak = book.peak_overlap()
     assert sum(peak.by_category.values()) == peak.bytes and set(peak.by_category) == set(ledger.CATEGORIES)
 
@@ -111,8 +130,12 @@ def test_full_checkpointing_keeps_only_layer_inputs():
 
 
 def test_refusals_of_the_builder():
-    for kwargs, word in [({"dtype": "fp8"}, "recipe"), ({"optimizer": "lion"}, "optimizer"),
-                         ({"checkpointing": "some"}, "checkpointing"), ({"device": "tpu"}, "device")]:
+    for kwargs, word in [
+        ({"dtype": "fp8"}, "recipe"),
+        ({"optimizer": "lion"}, "optimizer"),
+        ({"checkpointing": "some"}, "checkpointing"),
+        ({"device": "tpu"}, "device"),
+    ]:
         with pytest.raises(TrainmechError, match=word):
             ledger.training_state_lifecycle(HAND, 1, 3, **kwargs)
     with pytest.raises(TrainmechError, match="positive"):
@@ -151,7 +174,9 @@ def test_full_checkpointing_prediction_within_5_percent_of_measured():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for first in (True, False):
         measured = measure.training_step_memory(model, opt, batch)
-        predicted = ledger.training_state_lifecycle(model.config, 2, 128, checkpointing="full", first_step=first)
+        predicted = ledger.training_state_lifecycle(
+            model.config, 2, 128, checkpointing="full", first_step=first
+        )
         assert abs(predicted.peak_overlap().bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes
         assert predicted.peak_overlap().phase == measured.peak_phase
 
@@ -178,7 +203,9 @@ def test_the_tracker_agrees_with_the_allocator():
 
     allocator = measure.allocator_peak_cpu(step)
     steady = measure.training_step_memory(model, opt, batch)
-    assert tracked.peak_allocated_bytes is None and tracked.peak_reserved_bytes is None  # unknown on CPU, not 0
+    assert (
+        tracked.peak_allocated_bytes is None and tracked.peak_reserved_bytes is None
+    )  # unknown on CPU, not 0
     assert allocator == pytest.approx(steady.peak_bytes - sum(steady.baseline.values()), rel=0.01)
 
 
@@ -192,9 +219,19 @@ def _run(argv, capsys):
 
 
 def test_calculator_on_a_config_json_it_has_never_seen(tmp_path, capsys):
-    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 512,
-             "intermediate_size": 1376, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4,
-             "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False}
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 512,
+        "intermediate_size": 1376,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(llama))
     rc, out, err = _run(["--config", str(path), "--batch", "2", "--seq", "256", "--json"], capsys)
@@ -202,14 +239,21 @@ def test_calculator_on_a_config_json_it_has_never_seen(tmp_path, capsys):
     got = json.loads(out)
     assert set(got["by_category"]) == set(ledger.CATEGORIES)
     assert got["peak_bytes"] == sum(got["by_category"].values()) > 0
-    assert got["n_params"] == 32000 * 512 * 2 + 3 * (512 * 512 * 2 + 256 * 512 * 2 + 3 * 512 * 1376 + 2 * 512) + 512
-    rc, out, _ = _run(["--config", str(tmp_path), "--batch", "2", "--seq", "256"], capsys)  # the folder works too
+    assert (
+        got["n_params"]
+        == 32000 * 512 * 2 + 3 * (512 * 512 * 2 + 256 * 512 * 2 + 3 * 512 * 1376 + 2 * 512) + 512
+    )
+    rc, out, _ = _run(
+        ["--config", str(tmp_path), "--batch", "2", "--seq", "256"], capsys
+    )  # the folder works too
     assert rc == 0 and "peak:" in out and "phase" in out
 
 
 def test_calculator_refusals_are_one_line(tmp_path, capsys):
     bert = tmp_path / "bert.json"
-    bert.write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 768}))
+    bert.write_text(
+        json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 768})
+    )
     gpt2 = tmp_path / "gpt2.json"
     gpt2.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     broken = tmp_path / "broken.json"
@@ -231,9 +275,18 @@ def test_calculator_refusals_are_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and words in err and err.startswith("trainmech: error: "), (argv, err)
 
 
-QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
-        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "tie_word_embeddings": True, "hidden_act": "silu"}
+QWEN = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+}
 
 
 @pytest.mark.parametrize(
@@ -279,7 +332,11 @@ def test_sizes_are_integers_and_time_grows_linearly_with_the_layers(capsys):
     import time
 
     rc, out, _ = _run(["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--json"], capsys)
-    assert rc == 0 and json.loads(out)["n_params"] == 494_032_768 and isinstance(json.loads(out)["n_params"], int)
+    assert (
+        rc == 0
+        and json.loads(out)["n_params"] == 494_032_768
+        and isinstance(json.loads(out)["n_params"], int)
+    )
 
     def seconds(layers: int) -> float:
         """CPU seconds of the calculator's work for a loaded config, the best of three (CPU time, not wall
@@ -299,27 +356,52 @@ def test_sizes_are_integers_and_time_grows_linearly_with_the_layers(capsys):
 
 def test_python_dash_m_trainmech_ledger(tmp_path):
     run = [sys.executable, "-m", "trainmech", "ledger"]
-    ok = subprocess.run(run + ["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--device", "cuda"],
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        run + ["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "Qwen/Qwen2.5-0.5B" in ok.stdout and "494,032,768" in ok.stdout
-    bad = subprocess.run(run + ["--config", "qwen2-tiny", "--batch", "x", "--seq", "8"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        run + ["--config", "qwen2-tiny", "--batch", "x", "--seq", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
 
 
 # ----------------------------------------------------------------------------- configs as transformers completes them
 
-QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
-        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "tie_word_embeddings": True, "hidden_act": "silu"}
+QWEN = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+}
 
 
 def test_missing_fields_take_transformers_defaults():
     untied = {k: v for k, v in QWEN.items() if k != "tie_word_embeddings"}
     assert ledger.model_shape(untied).tie_word_embeddings is False  # Qwen2Config's default
     assert ledger.model_shape(untied).n_params == ledger.model_shape(QWEN).n_params + 151936 * 896
-    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32000, "hidden_size": 512,
-               "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 16}
+    mistral = {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "vocab_size": 32000,
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+    }
     assert ledger.model_shape(mistral).num_kv_heads == 8  # MistralConfig's default, not the query heads
     llama = {**mistral, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     assert ledger.model_shape(llama).num_kv_heads == 16  # LlamaConfig: None -> the query heads
@@ -353,22 +435,30 @@ def test_the_kernel_is_chosen_for_the_device_dtype_and_mask():
     assert [choose("fp32", "cpu"), choose("bf16", "cpu"), choose("fp32", "cpu", True)] == ["flash"] * 3
     assert choose("fp32", "cuda") == "math"  # enable_gqa, which the efficient kernel refuses
     assert choose("bf16", "cuda") == choose("autocast-bf16", "cuda") == "flash"
-    assert choose("fp32", "cuda", True) == choose("bf16", "cuda", True) == "efficient"  # a mask: repeat_kv, no flash
+    assert (
+        choose("fp32", "cuda", True) == choose("bf16", "cuda", True) == "efficient"
+    )  # a mask: repeat_kv, no flash
     no_gqa = ledger.model_shape({**QWEN, "num_key_value_heads": 14})
     assert ledger.attention_kernel(no_gqa, "fp32", "cuda") == "efficient"
     # the inventory a caller gets for CUDA fp32 is the math one: the s×s probabilities
     rows = {t.name: t for t in ledger.layer_saved(big, 2, 512, "fp32", device="cuda")}
     assert rows["self_attn.probs"].nbytes == 4 * 2 * 14 * 512 * 512
     padded = {t.name: t for t in ledger.layer_saved(big, 2, 500, "fp32", device="cuda", padded=True)}
-    assert padded["self_attn.k_repeated"].shape == (2, 14, 500, 64) and padded["self_attn.mask_bias"].shape == (2, 1, 500, 512)
+    assert padded["self_attn.k_repeated"].shape == (2, 14, 500, 64) and padded[
+        "self_attn.mask_bias"
+    ].shape == (2, 1, 500, 512)
     assert padded["self_attn.sdpa_logsumexp"].shape == (2, 14, 512)  # the efficient kernel pads rows to 32
 
 
 @pytest.mark.parametrize("attention", ["flash", "math"])
 def test_a_padded_batch_is_predicted_byte_for_byte(attention):
     for c in ledger.measure_point("qwen2-tiny", 2, 32, padded=True, attention=attention):
-        assert c.predicted_peak == c.measured_peak and c.predicted.peak_overlap().phase == c.measured.peak_phase
-        assert c.predicted.crossing_lifecycles() == {k: v for k, v in c.measured.lifecycles().items() if k[1] != k[2]}
+        assert (
+            c.predicted_peak == c.measured_peak and c.predicted.peak_overlap().phase == c.measured.peak_phase
+        )
+        assert c.predicted.crossing_lifecycles() == {
+            k: v for k, v in c.measured.lifecycles().items() if k[1] != k[2]
+        }
 
 
 # ----------------------------------------------------------------------------- the update's variants, measured on CPU
@@ -394,8 +484,13 @@ def test_optimizer_in_backward_frees_each_gradient_at_once():
     for c in ledger.measure_point("qwen2-tiny", 1, 32, optimizer_in_backward=True):
         assert abs(c.error) <= 0.02 and c.measured.by_category(len(c.measured.live) - 1)["gradients"] == 0
     steady = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda", checkpointing="full")
-    hooked = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda", checkpointing="full", optimizer_in_backward=True)
-    assert steady.peak_overlap().phase == "optimizer" and hooked.peak_overlap().bytes < 0.9 * steady.peak_overlap().bytes
+    hooked = ledger.training_state_lifecycle(
+        "qwen2.5-0.5b", 2, 512, device="cuda", checkpointing="full", optimizer_in_backward=True
+    )
+    assert (
+        steady.peak_overlap().phase == "optimizer"
+        and hooked.peak_overlap().bytes < 0.9 * steady.peak_overlap().bytes
+    )
 
 
 def test_accumulation_and_zeroed_gradients_are_predicted_byte_for_byte():
@@ -403,7 +498,9 @@ def test_accumulation_and_zeroed_gradients_are_predicted_byte_for_byte():
         for c in ledger.measure_point("qwen2-tiny", 1, 32, **kwargs):
             assert c.predicted_peak == c.measured_peak, (kwargs, c.step, c.micro_batch)
             predicted, measured = c.predicted.by_phase(), c.measured.by_phase()
-            assert {p: predicted[p] for p in measured} == measured  # every phase the tracker saw, byte for byte
+            assert {
+                p: predicted[p] for p in measured
+            } == measured  # every phase the tracker saw, byte for byte
             # a phase with no allocation leaves no event: only a micro-batch's update and zero_grad may be silent
             assert set(predicted) - set(measured) <= {"optimizer", "zero_grad"}, (kwargs, c.step)
     base = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 512, device="cuda")
@@ -416,15 +513,23 @@ def test_accumulation_and_zeroed_gradients_are_predicted_byte_for_byte():
 def test_autocast_keeps_fp32_states_and_16_bit_copies(dtype):
     first, steady = ledger.measure_point("qwen2-small", 2, 64, dtype=dtype)
     for c in (first, steady):
-        assert c.predicted_peak == c.measured_peak and c.predicted.peak_overlap().phase == c.measured.peak_phase
+        assert (
+            c.predicted_peak == c.measured_peak and c.predicted.peak_overlap().phase == c.measured.peak_phase
+        )
     m, shape = first.measured, first.predicted.shape
     at_end = lambda phase: m.by_category(max(k for k, p in enumerate(m.phases) if p == phase))["saved"]  # noqa: E731
     added = at_end("forward.layer.1") - at_end("forward.layer.0")
     rows = ledger.layer_saved(shape, 2, 64, dtype)
     assert added == sum(t.nbytes for t in rows)  # its own rows and the next layer's input, the fp32 residual
     copies = sum(t.nbytes for t in rows if t.name.endswith("weight_16bit"))
-    assert copies == 2 * sum(n for name, n in shape.parameter_tensors() if name.startswith("model.layers.0.") and "proj.weight" in name)
-    assert steady.predicted.state_bytes()["optimizer_states"] == 8 * shape.n_params + 4 * len(shape.parameter_tensors())
+    assert copies == 2 * sum(
+        n
+        for name, n in shape.parameter_tensors()
+        if name.startswith("model.layers.0.") and "proj.weight" in name
+    )
+    assert steady.predicted.state_bytes()["optimizer_states"] == 8 * shape.n_params + 4 * len(
+        shape.parameter_tensors()
+    )
 
 
 # ----------------------------------------------------------------------------- scenarios, ZeRO, the allocator, the peers
@@ -434,7 +539,9 @@ def test_the_scenario_matrix_reconciles_the_registry_workloads():
     rows = ledger.scenario_matrix("qwen2.5-0.5b", 2, 512, device="cuda")
     change = ledger.scenarios.change
     assert change(rows, "checkpoint", "first", "forward_backward") == pytest.approx(-0.314, abs=0.002)
-    assert change(rows, "checkpoint", "steady") == pytest.approx(-0.126, abs=0.002)  # the peak moves into foreach AdamW
+    assert change(rows, "checkpoint", "steady") == pytest.approx(
+        -0.126, abs=0.002
+    )  # the peak moves into foreach AdamW
     assert change(rows, "offload", "first") == 0.0  # one update: its peak is the first optimizer step
     steady = {r.strategy: r.whole for r in rows if r.update == "steady"}
     assert steady["checkpoint"].phase == steady["offload"].phase == "optimizer"
@@ -444,8 +551,13 @@ def test_checkpointing_measured_peaks_and_recompute_counts_as_saved():
     first, steady = ledger.measure_point("qwen2-tiny", 2, 64, checkpointing="full")
     for c in (first, steady):
         assert abs(c.error) <= 0.01 and c.predicted.peak_overlap().phase == c.measured.peak_phase
-        assert abs(c.measured_forward_backward_peak - c.predicted.forward_backward_peak().bytes) <= 0.01 * c.measured_peak
-    recomputed = [a for a in first.measured.allocations if a.born_phase.startswith("backward.layer") and a.recomputed]
+        assert (
+            abs(c.measured_forward_backward_peak - c.predicted.forward_backward_peak().bytes)
+            <= 0.01 * c.measured_peak
+        )
+    recomputed = [
+        a for a in first.measured.allocations if a.born_phase.startswith("backward.layer") and a.recomputed
+    ]
     assert recomputed and {first.measured.category(a) for a in recomputed} == {"saved"}
 
 
@@ -456,7 +568,9 @@ def test_zero_projection_partitions_the_update_and_names_the_loss_buffers():
     one = ledger.zero.per_device(book, 1, 3)
     assert one.bytes == book.peak_overlap().bytes and one.tick == book.peak_overlap().tick
     s1, s2, s3 = (ledger.zero.per_device(book, 64, k) for k in (1, 2, 3))
-    assert s1.bytes == s2.bytes and s1.by_category["gradients"] == 0  # at backward.loss no gradient exists yet
+    assert (
+        s1.bytes == s2.bytes and s1.by_category["gradients"] == 0
+    )  # at backward.loss no gradient exists yet
     assert s3.loss_buffer_share == pytest.approx(0.55, abs=0.01)
     at_update = dict(book.live())["optimizer"]
     assert at_update["workspace"] > 0  # the foreach temporary, partitioned from stage 1 on
@@ -468,7 +582,12 @@ def test_the_allocator_model_rounds_caches_and_splits():
     from trainmech.ledger import allocator as A
 
     assert [A.round_size(n) for n in (1, 512, 513, 3 * 2**20 + 1)] == [512, 512, 1024, 3 * 2**20 + 512]
-    assert [A.segment_size(n) for n in (512, 2**20, 2**20 + 512, 12 << 20)] == [2 << 20, 2 << 20, 20 << 20, 12 << 20]
+    assert [A.segment_size(n) for n in (512, 2**20, 2**20 + 512, 12 << 20)] == [
+        2 << 20,
+        2 << 20,
+        20 << 20,
+        12 << 20,
+    ]
     m = A.CachingAllocatorModel()
     m.malloc("a", 4 << 20)  # a 20 MiB segment, split
     m.malloc("b", 4 << 20)  # the same segment
@@ -494,7 +613,9 @@ def test_the_peers_estimate_model_states_only(monkeypatch):
     cfg = workload.qwen2_config(profiles.for_mode("cpu").model("qwen2-tiny"))
     shape = ledger.model_shape(cfg)
     untied = shape.n_params + shape.vocab_size * shape.hidden_size  # a meta-device model is not tied yet
-    assert 0 <= peers.accelerate_estimate(cfg) - 16 * untied <= 1024  # 4 × (weights + the rotary buffers), fp32 Adam
+    assert (
+        0 <= peers.accelerate_estimate(cfg) - 16 * untied <= 1024
+    )  # 4 × (weights + the rotary buffers), fp32 Adam
     ds = peers.deepspeed_estimates(shape)
     assert ds["deepspeed-zero2"] == 20 * shape.n_params
     assert ds["deepspeed-zero3"] == 4 * shape.vocab_size * shape.hidden_size + 18 * shape.n_params
@@ -504,15 +625,42 @@ def test_the_peers_estimate_model_states_only(monkeypatch):
 
 
 def test_the_calculator_prints_the_scenario_matrix_and_the_gpu_lines(capsys):
-    rc, out, err = _run(["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--device", "cuda", "--scenario"], capsys)
+    rc, out, err = _run(
+        ["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--device", "cuda", "--scenario"], capsys
+    )
     assert rc == 0 and err == "" and "checkpoint" in out and "-31.4%" in out and "-12.6%" in out
-    rc, out, _ = _run(["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--device", "cuda"], capsys)
+    rc, out, _ = _run(
+        ["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--device", "cuda"], capsys
+    )
     assert rc == 0 and "reserved peak" in out and "cuBLAS" in out and "CUDA context" in out
-    rc, out, _ = _run(["--config", "qwen2-tiny", "--batch", "1", "--seq", "8", "--json", "--micro-batches", "2", "--keep-grads"], capsys)
+    rc, out, _ = _run(
+        [
+            "--config",
+            "qwen2-tiny",
+            "--batch",
+            "1",
+            "--seq",
+            "8",
+            "--json",
+            "--micro-batches",
+            "2",
+            "--keep-grads",
+        ],
+        capsys,
+    )
     got = json.loads(out)
-    assert rc == 0 and got["micro_batches"] == 2 and got["set_to_none"] is False and set(got["by_category"]) == set(ledger.CATEGORIES)
+    assert (
+        rc == 0
+        and got["micro_batches"] == 2
+        and got["set_to_none"] is False
+        and set(got["by_category"]) == set(ledger.CATEGORIES)
+    )
 
 
 def test_measure_and_the_ledger_share_one_vocabulary():
     assert measure.MEMORY_CATEGORIES is ledger.CATEGORIES
-    assert "activations" not in ledger.CATEGORIES and {"saved", "unsaved_activations", "upstream_grads"} <= set(ledger.CATEGORIES)
+    assert "activations" not in ledger.CATEGORIES and {
+        "saved",
+        "unsaved_activations",
+        "upstream_grads",
+    } <= set(ledger.CATEGORIES)

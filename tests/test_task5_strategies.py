@@ -28,9 +28,19 @@ B, T, V, LAYERS = 2, 16, 97, 3
 
 
 def tiny_model(**overrides) -> Qwen2ForCausalLM:
-    kwargs = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, rope_theta=1e6, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, use_cache=False)
+    kwargs = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
     kwargs.update(overrides)
     config = Qwen2Config(**kwargs)
     config._attn_implementation = "sdpa"
@@ -136,7 +146,9 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
         model(**batch)
     assert_bitwise(got, baseline)
     assert selective.forward_ops == full.forward_ops
-    assert selective.saved_ops == sum(dispatched.values()) == 8 * LAYERS  # CPU: q, k, v, o, one fused SDPA, gate, up, down
+    assert (
+        selective.saved_ops == sum(dispatched.values()) == 8 * LAYERS
+    )  # CPU: q, k, v, o, one fused SDPA, gate, up, down
     assert not {op.__name__ for op in C.MATMUL_OPS} & set(selective.recomputed_by_op)
     assert {"mm.default", "addmm.default"} & set(full.recomputed_by_op)
     assert 0 < selective.recomputed_ops < full.recomputed_ops
@@ -298,15 +310,22 @@ def offload_step(model, batch, hooks):
 
 @pytest.mark.parametrize("prefetch_groups", [0, 1, 2])
 def test_offload_equal_counts_bytes_and_keeps_params(model, batch, baseline, prefetch_groups):
-    offload = ActivationOffload.for_model(model, min_bytes=HIDDEN // 2, prefetch_groups=prefetch_groups, arena=HostArena(pinned=False))
+    offload = ActivationOffload.for_model(
+        model, min_bytes=HIDDEN // 2, prefetch_groups=prefetch_groups, arena=HostArena(pinned=False)
+    )
     got = offload_step(model, batch, offload)
     stats = offload.finish()
     assert_bitwise(got, baseline)
     assert stats.kept_params > 0 and stats.kept_small > 0 and stats.kept_exempt > 0 and stats.offloaded > 0
-    assert stats.packed == stats.kept_params + stats.kept_small + stats.kept_exempt + stats.offloaded + stats.shared
+    assert (
+        stats.packed
+        == stats.kept_params + stats.kept_small + stats.kept_exempt + stats.offloaded + stats.shared
+    )
     assert stats.d2h_bytes == stats.h2d_bytes > 0
     assert stats.prefetched + stats.on_demand == stats.offloaded
-    assert stats.transfer_s is None and stats.exposed_transfer_s is None  # no CPU number dressed as GPU evidence
+    assert (
+        stats.transfer_s is None and stats.exposed_transfer_s is None
+    )  # no CPU number dressed as GPU evidence
     assert offload.host_bytes() == 0  # finish() released the host buffers
     assert all(e.group < LAYERS - 1 for e in offload.entries)  # the last layer stays on the device
 
@@ -387,9 +406,18 @@ def test_offload_restores_bitwise_and_leaves_params_and_small_in_place(model, ba
     def spy(t):
         packed = pack(t)
         if isinstance(packed[0], int):
-            same = packed[1].data_ptr() == t.data_ptr() and packed[1].shape == t.shape and packed[1].stride() == t.stride()
-            kept.append((same and not packed[1].requires_grad, t.untyped_storage().data_ptr() in param_ptrs,
-                         t.untyped_storage().nbytes()))
+            same = (
+                packed[1].data_ptr() == t.data_ptr()
+                and packed[1].shape == t.shape
+                and packed[1].stride() == t.stride()
+            )
+            kept.append(
+                (
+                    same and not packed[1].requires_grad,
+                    t.untyped_storage().data_ptr() in param_ptrs,
+                    t.untyped_storage().nbytes(),
+                )
+            )
         return packed
 
     offload.pack_hook = spy
@@ -437,8 +465,11 @@ def test_save_on_cpu_moves_everything_and_restores_values(model, batch, baseline
 def test_optimizer_in_backward_equals_adamw_and_frees_every_gradient(batch):
     def two_updates(in_backward):
         model = tiny_model()
-        optimizer = (OptimizerInBackward(model.parameters(), lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
-                     if in_backward else torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False))
+        optimizer = (
+            OptimizerInBackward(model.parameters(), lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
+            if in_backward
+            else torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        )
         for _ in range(2):
             model(**batch).loss.backward()
             if in_backward:
@@ -465,13 +496,24 @@ def _offloaded(model):
 def test_scenario_matrix_predicts_every_measured_cell(model, tensors):
     """Strategies x first / steady x forward+backward / whole update x optimizer steps: the ledger's views within 1 %."""
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    optimizers = {"foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
-                  "for-loop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
-                  "fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-                  "in-backward": lambda ps: OptimizerInBackward(ps, lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False))}
-    got = ledger.measure_matrix(model, tensors, initial, optimizers=optimizers,
-                                strategies={"baseline": None, "checkpoint": lambda m: C.hf_checkpointing(m), "offload": _offloaded})
-    rows = scenarios.scenario_matrix(model.config, B, T, device="cpu", optimizer_steps=tuple(optimizers), min_bytes=HIDDEN // 4)
+    optimizers = {
+        "foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+        "for-loop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
+        "fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        "in-backward": lambda ps: OptimizerInBackward(
+            ps, lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False)
+        ),
+    }
+    got = ledger.measure_matrix(
+        model,
+        tensors,
+        initial,
+        optimizers=optimizers,
+        strategies={"baseline": None, "checkpoint": lambda m: C.hf_checkpointing(m), "offload": _offloaded},
+    )
+    rows = scenarios.scenario_matrix(
+        model.config, B, T, device="cpu", optimizer_steps=tuple(optimizers), min_bytes=HIDDEN // 4
+    )
     measured = {k: (m.forward_backward_bytes, m.whole_bytes) for k, m in got.items()}
     assert len(rows) == 24 and scenarios.worst_peak_error(rows, measured) <= 0.01
     text = scenarios.render_rows(rows, unit=2**10, unit_name="KiB", measured_rows=measured)
@@ -481,25 +523,46 @@ def test_scenario_matrix_predicts_every_measured_cell(model, tensors):
 
 def test_scenario_views_refuse_what_they_do_not_model():
     with pytest.raises(TrainmechError, match="unknown optimizer step"):
-        scenarios.scenario_ledger("qwen2-tiny", 1, 32, strategy="baseline", update="first", optimizer_step="adafactor")
+        scenarios.scenario_ledger(
+            "qwen2-tiny", 1, 32, strategy="baseline", update="first", optimizer_step="adafactor"
+        )
     with pytest.raises(TrainmechError, match="strategy must be one of"):
         scenarios.scenario_ledger("qwen2-tiny", 1, 32, strategy="zero", update="first")
 
 
 def test_gpu_shape_scenarios_tell_the_forward_backward_peak_from_the_update_peak():
-    rows = scenarios.scenario_matrix("qwen2.5-0.5b", 2, 512, device="cuda", optimizer_steps=("default", "in-backward"))
+    rows = scenarios.scenario_matrix(
+        "qwen2.5-0.5b", 2, 512, device="cuda", optimizer_steps=("default", "in-backward")
+    )
     drops = scenarios.drops(rows, "checkpoint")
-    assert drops[("first", "default", "fwd+bwd")] > 0.25 and drops[("first", "default", "update")] < 0.01  # the step peaks
+    assert (
+        drops[("first", "default", "fwd+bwd")] > 0.25 and drops[("first", "default", "update")] < 0.01
+    )  # the step peaks
     assert drops[("steady", "in-backward", "update")] > drops[("steady", "default", "update")]  # the remedy
-    per_row = {s: scenarios.bytes_per_row("qwen2.5-0.5b", 2, 256, strategy=s, device="cuda") for s in ("baseline", "checkpoint")}
+    per_row = {
+        s: scenarios.bytes_per_row("qwen2.5-0.5b", 2, 256, strategy=s, device="cuda")
+        for s in ("baseline", "checkpoint")
+    }
     assert per_row["checkpoint"] < per_row["baseline"] / 2
 
 
 def test_strategy_timelines_figure():
     from trainmech import plots
 
-    runs = {"baseline": ([0, 5, 9, 4, 0], ["forward.embed", "loss", "backward.head", "optimizer", "zero_grad"], 10),
-            "offload": ([0, 2, 3, 1, 0], ["forward.embed", "loss", "backward.head", "optimizer", "zero_grad"], 10)}
+    runs = {
+        "baseline": (
+            [0, 5, 9, 4, 0],
+            ["forward.embed", "loss", "backward.head", "optimizer", "zero_grad"],
+            10,
+        ),
+        "offload": (
+            [0, 2, 3, 1, 0],
+            ["forward.embed", "loss", "backward.head", "optimizer", "zero_grad"],
+            10,
+        ),
+    }
     fig = plots.strategy_timelines(runs, {"baseline": 19 * 2**20, "offload": None})
     assert [ax.get_title() for ax in fig.axes] == ["baseline", "offload"]
-    assert len(fig.axes[0].get_lines()) == 3 and len(fig.axes[1].get_lines()) == 2  # curve, peak star, ledger line
+    assert (
+        len(fig.axes[0].get_lines()) == 3 and len(fig.axes[1].get_lines()) == 2
+    )  # curve, peak star, ledger line

@@ -31,8 +31,18 @@ def gw(tiny_profile_model):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model gains nothing from threads that spin-wait on a shared machine
     built = tiny_profile_model(seed=0)
-    yield candidates.gate_workload(built.model, rows=4, seq=32, micro_batches=2, attempts=ATTEMPTS, inject_at=INJECT_AT,
-                                   lr=LR, warmup_updates=2, decay_updates=3, dropout=0.1)
+    yield candidates.gate_workload(
+        built.model,
+        rows=4,
+        seq=32,
+        micro_batches=2,
+        attempts=ATTEMPTS,
+        inject_at=INJECT_AT,
+        lr=LR,
+        warmup_updates=2,
+        decay_updates=3,
+        dropout=0.1,
+    )
     torch.set_num_threads(threads)
 
 
@@ -51,7 +61,9 @@ def offload(model):
 def autocast_around_backward(state, window):
     divisors = supervision.denominators([workload.supervised_tokens(mb["labels"]) for mb in window])
     for mb, divisor in zip(window, divisors):
-        logits = state.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
+        logits = state.model(
+            input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False
+        ).logits
         loss = supervision.token_loss_sum(logits, mb["labels"]) / divisor
         with torch.autocast(state.device.type, dtype=torch.float16):  # around backward: does nothing
             state.scaler.scale(loss).backward()
@@ -90,8 +102,14 @@ def calls_per_forward(model, counted_inside):
     handles = [model.register_forward_pre_hook(lambda *_: calls.clear())]
     for i, layer in enumerate(model.model.layers):
         count = lambda *_, i=i: calls.__setitem__(i, calls.get(i, 0) + 1)  # noqa: E731
-        handles.append(layer.mlp.register_forward_pre_hook(count) if counted_inside else layer.register_forward_pre_hook(count))
-        handles.append(layer.mlp.register_forward_pre_hook(lambda m, args, i=i: (args[0] / calls[i], *args[1:])))
+        handles.append(
+            layer.mlp.register_forward_pre_hook(count)
+            if counted_inside
+            else layer.register_forward_pre_hook(count)
+        )
+        handles.append(
+            layer.mlp.register_forward_pre_hook(lambda m, args, i=i: (args[0] / calls[i], *args[1:]))
+        )
     try:
         yield
     finally:
@@ -127,23 +145,70 @@ def raise_adam_eps(state):
 FP16 = candidates.candidate("fp16", "TRAIN-AMP-BACKWARD", dtype="float16")
 CHECKPOINT = candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing)
 OFFLOAD = candidates.candidate("offload", "TRAIN-OFFLOAD", offload)
-CLAMP = candidates.candidate("checkpoint-clamp", "TRAIN-CHECKPOINT", partial(clamp_layer_inputs, in_place=False), each_layer)
-COUNTED_OUT = candidates.candidate("count-in-pre-hook", "TRAIN-CHECKPOINT", partial(calls_per_forward, counted_inside=False), each_layer)
+CLAMP = candidates.candidate(
+    "checkpoint-clamp", "TRAIN-CHECKPOINT", partial(clamp_layer_inputs, in_place=False), each_layer
+)
+COUNTED_OUT = candidates.candidate(
+    "count-in-pre-hook", "TRAIN-CHECKPOINT", partial(calls_per_forward, counted_inside=False), each_layer
+)
 
 PLANTED = {  # bug -> (the candidate with it, the gate that must stop it, the candidate without it)
-    "fp32-claiming-fp16": (candidates.Candidate("b1", "TRAIN-AMP-BACKWARD", "float16", autocast_around_backward), "gradients", FP16),
-    "mean-per-micro-batch": (candidates.Candidate("b2", "TRAIN-OFFLOAD", backward=mean_per_micro_batch), "gradients", OFFLOAD),
-    "scheduler-on-skips": (candidates.candidate("b3", "TRAIN-AMP-BACKWARD", dtype="float16", update=scheduler_every_attempt), "updates", FP16),
-    "checkpoint-in-place": (candidates.candidate("b4", "TRAIN-CHECKPOINT", partial(clamp_layer_inputs, in_place=True), each_layer),
-                            "gradients", CLAMP),
-    "outside-state-in-checkpoint": (candidates.candidate("b5", "TRAIN-CHECKPOINT", partial(calls_per_forward, counted_inside=True),
-                                                         each_layer), "gradients", COUNTED_OUT),
-    "rng-not-restored": (candidates.candidate("b6", "TRAIN-CHECKPOINT", partial(candidates.activation_checkpointing,
-                                                                                 preserve_rng_state=False)), "inputs", CHECKPOINT),
-    "no-zero-grad": (candidates.candidate("b7", "TRAIN-AMP-BACKWARD", update=update_without_zero_grad), "gradients", CHECKPOINT),
-    "faster-skips-work": (candidates.Candidate("b8", "TRAIN-CHECKPOINT", backward=first_micro_batch_only), "inputs", CHECKPOINT),
-    "no-finiteness-guard": (candidates.candidate("b9", "TRAIN-AMP-BACKWARD", update=step_without_guard), "updates", FP16),
-    "recipe-change": (candidates.candidate("b10", "TRAIN-AMP-BACKWARD", dtype="float16", update=raise_adam_eps), "quality", FP16),
+    "fp32-claiming-fp16": (
+        candidates.Candidate("b1", "TRAIN-AMP-BACKWARD", "float16", autocast_around_backward),
+        "gradients",
+        FP16,
+    ),
+    "mean-per-micro-batch": (
+        candidates.Candidate("b2", "TRAIN-OFFLOAD", backward=mean_per_micro_batch),
+        "gradients",
+        OFFLOAD,
+    ),
+    "scheduler-on-skips": (
+        candidates.candidate("b3", "TRAIN-AMP-BACKWARD", dtype="float16", update=scheduler_every_attempt),
+        "updates",
+        FP16,
+    ),
+    "checkpoint-in-place": (
+        candidates.candidate(
+            "b4", "TRAIN-CHECKPOINT", partial(clamp_layer_inputs, in_place=True), each_layer
+        ),
+        "gradients",
+        CLAMP,
+    ),
+    "outside-state-in-checkpoint": (
+        candidates.candidate(
+            "b5", "TRAIN-CHECKPOINT", partial(calls_per_forward, counted_inside=True), each_layer
+        ),
+        "gradients",
+        COUNTED_OUT,
+    ),
+    "rng-not-restored": (
+        candidates.candidate(
+            "b6", "TRAIN-CHECKPOINT", partial(candidates.activation_checkpointing, preserve_rng_state=False)
+        ),
+        "inputs",
+        CHECKPOINT,
+    ),
+    "no-zero-grad": (
+        candidates.candidate("b7", "TRAIN-AMP-BACKWARD", update=update_without_zero_grad),
+        "gradients",
+        CHECKPOINT,
+    ),
+    "faster-skips-work": (
+        candidates.Candidate("b8", "TRAIN-CHECKPOINT", backward=first_micro_batch_only),
+        "inputs",
+        CHECKPOINT,
+    ),
+    "no-finiteness-guard": (
+        candidates.candidate("b9", "TRAIN-AMP-BACKWARD", update=step_without_guard),
+        "updates",
+        FP16,
+    ),
+    "recipe-change": (
+        candidates.candidate("b10", "TRAIN-AMP-BACKWARD", dtype="float16", update=raise_adam_eps),
+        "quality",
+        FP16,
+    ),
 }
 
 
@@ -165,12 +230,18 @@ def test_without_the_bug_no_gate_fires(gw, reference, fixed):
     report = gates.judge(fixed, gw, reference, warmup=0, repeats=1)
     assert report.failed_gate is None, report.lines()
     assert [v.name for v in report.verdicts] == list(gates.GATES)
-    assert [v.passed for v in report.verdicts] == [True] * 4 + [None]  # performance is measured, never passed or failed
+    assert [v.passed for v in report.verdicts] == [True] * 4 + [
+        None
+    ]  # performance is measured, never passed or failed
     assert report.lines()[-2].startswith("  — performance")
     p = report.performance
-    assert p.peak_allocated_bytes is None and p.peak_reserved_bytes is None and p.cuda_context_bytes is None  # CPU: unknown, not 0
+    assert (
+        p.peak_allocated_bytes is None and p.peak_reserved_bytes is None and p.cuda_context_bytes is None
+    )  # CPU: unknown, not 0
     assert p.bytes_per_row > 0 and p.tracked_peak_bytes > 0
-    assert report.outcome is None and report.evidence_level == "cpu-mechanism"  # nothing to accept from CPU numbers
+    assert (
+        report.outcome is None and report.evidence_level == "cpu-mechanism"
+    )  # nothing to accept from CPU numbers
     assert report.record_fields()["conclusion"]["decision"] is None
 
 
@@ -187,17 +258,25 @@ def test_the_reference_skips_exactly_the_injected_attempts_and_its_noise_floor(r
     assert trace.scheduler_steps == trace.optimizer_steps == ATTEMPTS - len(INJECT_AT)
     assert all(trace.finite) and trace.error is None and len(trace.weights) == ATTEMPTS
     assert floor.grad_self == 0 and floor.quality_self == 0  # a CPU reruns bitwise
-    assert floor.grad_seed > gates.SEED_SEPARATION * gates.GRAD_RTOL["float16"]  # the dropout makes another seed visible
+    assert (
+        floor.grad_seed > gates.SEED_SEPARATION * gates.GRAD_RTOL["float16"]
+    )  # the dropout makes another seed visible
     assert gates.movement(trace) > 3 * floor.quality_seed
 
 
 def test_tolerances_rise_with_the_reference_noise_and_follow_the_training_movement(reference):
     tol = reference.tolerances("float16")
     assert tol.grad_rtol == gates.GRAD_RTOL["float16"] and tol.grad_from == "float16 rounding"
-    assert tol.quality_bound == pytest.approx(gates.QUALITY_FRACTION["float16"] * gates.movement(reference.trace))
+    assert tol.quality_bound == pytest.approx(
+        gates.QUALITY_FRACTION["float16"] * gates.movement(reference.trace)
+    )
     noisy = gates.NoiseFloor(grad_self=1e-3, grad_seed=0.5, quality_self=1e-2, quality_seed=0.1)
     raised = gates.tolerances("float32", reference.trace, noisy)
-    assert raised.grad_rtol == pytest.approx(1e-2) and raised.quality_bound == pytest.approx(0.1) and "noise" in raised.grad_from
+    assert (
+        raised.grad_rtol == pytest.approx(1e-2)
+        and raised.quality_bound == pytest.approx(0.1)
+        and "noise" in raised.grad_from
+    )
 
 
 def test_a_candidate_off_the_reference_trajectory_is_judged_from_the_references_weights(gw, reference):
@@ -205,33 +284,52 @@ def test_a_candidate_off_the_reference_trajectory_is_judged_from_the_references_
     eps = PLANTED["recipe-change"][0]
     free = tracing.run_trace(eps, gw)
     forced = tracing.run_trace(eps, gw, teacher=reference.trace)
-    assert not gates.gradients_gate(reference.trace, free, "float16").passed  # its own weights drifted: later windows differ
+    assert not gates.gradients_gate(
+        reference.trace, free, "float16"
+    ).passed  # its own weights drifted: later windows differ
     assert gates.gradients_gate(reference.trace, forced, "float16").passed
-    assert forced.consumed == free.consumed and forced.rng == free.rng and forced.held_out_loss == free.held_out_loss
+    assert (
+        forced.consumed == free.consumed
+        and forced.rng == free.rng
+        and forced.held_out_loss == free.held_out_loss
+    )
 
 
 def test_an_fp16_candidate_whose_loss_scale_starts_too_high_is_calibrated_not_rejected(gw, reference):
-    hot = {c: tracing.run_trace(FP16, dataclasses.replace(gw, loss_scale_start=2.0**40, calibrate_loss_scale=c)) for c in (False, True)}
+    hot = {
+        c: tracing.run_trace(FP16, dataclasses.replace(gw, loss_scale_start=2.0**40, calibrate_loss_scale=c))
+        for c in (False, True)
+    }
     expected = [gw.expected_lr(k) for k in range(ATTEMPTS)]
     assert not gates.updates_gate(reference.trace, hot[False], "float16", expected_lrs=expected).passed
-    verdict = gates.updates_gate(reference.trace, hot[True], "float16", expected_lrs=expected[: len(hot[True].lrs)])
+    verdict = gates.updates_gate(
+        reference.trace, hot[True], "float16", expected_lrs=expected[: len(hot[True].lrs)]
+    )
     assert verdict.passed and verdict.evidence["loss_scale_halvings"] == hot[True].scale_halvings > 0
 
 
 def test_splitting_or_reordering_a_window_keeps_the_inputs_digest(tiny_profile_model):
     built = tiny_profile_model(seed=0)
-    plain = candidates.gate_workload(built.model, rows=4, seq=32, micro_batches=2, attempts=3, inject_at=(), lr=LR)  # no dropout
+    plain = candidates.gate_workload(
+        built.model, rows=4, seq=32, micro_batches=2, attempts=3, inject_at=(), lr=LR
+    )  # no dropout
     ref = tracing.run_trace(candidates.Candidate("ref", "X"), plain)
 
     def four_micro_batches(state, window):
-        rows = [{k: v[i : i + 1] for k, v in mb.items()} for mb in window for i in range(mb["input_ids"].shape[0])]
+        rows = [
+            {k: v[i : i + 1] for k, v in mb.items()} for mb in window for i in range(mb["input_ids"].shape[0])
+        ]
         return candidates.window_backward(state, candidates.Window(rows))
 
     def reversed_rows(state, window):
-        return candidates.window_backward(state, candidates.Window([{k: v.flip(0) for k, v in mb.items()} for mb in window]))
+        return candidates.window_backward(
+            state, candidates.Window([{k: v.flip(0) for k, v in mb.items()} for mb in window])
+        )
 
     for backward in (four_micro_batches, reversed_rows):
-        trace = tracing.run_trace(candidates.Candidate("regrouped", "TRAIN-GRADIENT-ACCUMULATION", backward=backward), plain)
+        trace = tracing.run_trace(
+            candidates.Candidate("regrouped", "TRAIN-GRADIENT-ACCUMULATION", backward=backward), plain
+        )
         assert gates.inputs_gate(ref, trace).passed
         assert gates.gradients_gate(ref, trace).passed  # the window's token count keeps it exact
 
@@ -249,15 +347,29 @@ def test_a_candidate_that_draws_random_numbers_changes_the_rng_evidence(gw, refe
         torch.rand(1)  # consumes the generator: the next window starts from another state
         return candidates.window_backward(state, window)
 
-    verdict = gates.inputs_gate(reference.trace, tracing.run_trace(candidates.Candidate("rng", "X", backward=noisy), gw))
+    verdict = gates.inputs_gate(
+        reference.trace, tracing.run_trace(candidates.Candidate("rng", "X", backward=noisy), gw)
+    )
     assert not verdict.passed and "RNG" in verdict.message
 
 
 def test_planted_record_fields_say_which_gate_fired(gw, reference):
     buggy, gate, fixed = PLANTED["faster-skips-work"]
-    fields = gates.planted_record_fields(reference, {"faster": (gate, gates.judge(buggy, gw, reference),
-                                                                 gates.judge(fixed, gw, reference, measure=False))}, "next")
-    assert fields["metrics"]["fired_gate"] == {"faster": "inputs"} and fields["metrics"]["all_caught_as_expected"]
+    fields = gates.planted_record_fields(
+        reference,
+        {
+            "faster": (
+                gate,
+                gates.judge(buggy, gw, reference),
+                gates.judge(fixed, gw, reference, measure=False),
+            )
+        },
+        "next",
+    )
+    assert (
+        fields["metrics"]["fired_gate"] == {"faster": "inputs"}
+        and fields["metrics"]["all_caught_as_expected"]
+    )
     assert fields["correctness"]["effective_updates"] == ATTEMPTS - len(INJECT_AT)
 
 
@@ -282,19 +394,36 @@ def test_gradients_gate_at_its_tolerance():
 
 def test_gradients_gate_compares_every_window_but_the_non_finite_ones():
     good = {"a": torch.tensor([1.0, 2.0])}
-    ref = tracing.Trace("r", losses=[1.0, 1.0, 1.0], grads=[good, {"a": torch.tensor([float("nan"), 0.0])}, good], dtypes=["float32"])
-    late = tracing.Trace("c", losses=[1.0, 1.0, 1.0], grads=[good, {"a": torch.tensor([9.0, 9.0])}, {"a": torch.tensor([1.0, 2.5])}],
-                         dtypes=["float32"])
+    ref = tracing.Trace(
+        "r",
+        losses=[1.0, 1.0, 1.0],
+        grads=[good, {"a": torch.tensor([float("nan"), 0.0])}, good],
+        dtypes=["float32"],
+    )
+    late = tracing.Trace(
+        "c",
+        losses=[1.0, 1.0, 1.0],
+        grads=[good, {"a": torch.tensor([9.0, 9.0])}, {"a": torch.tensor([1.0, 2.5])}],
+        dtypes=["float32"],
+    )
     tol = gates.Tolerances(1e-4, 1.0, "float32 rounding", "x")
     verdict = gates.gradients_gate(ref, late, "float32", tol)
     assert gates.compared_windows(ref, late) == [0, 2]  # the injected window is no evidence
-    assert not verdict.passed and verdict.message.startswith("window 2:") and verdict.evidence["window_worst"][0] == 0
+    assert (
+        not verdict.passed
+        and verdict.message.startswith("window 2:")
+        and verdict.evidence["window_worst"][0] == 0
+    )
 
 
 def test_gradients_gate_uses_the_floor_for_a_vanishing_gradient():
     ref = grads_trace({"big": [1.0], "tiny": [1e-9]})
-    noisy = grads_trace({"big": [1.0], "tiny": [5e-9]})  # 4x off its own scale, but far below 1e-3 of the largest
-    assert gates.gradient_errors(ref.grads[0], noisy.grads[0])["tiny"] == pytest.approx(4e-9 / gates.GRAD_FLOOR, rel=1e-3)
+    noisy = grads_trace(
+        {"big": [1.0], "tiny": [5e-9]}
+    )  # 4x off its own scale, but far below 1e-3 of the largest
+    assert gates.gradient_errors(ref.grads[0], noisy.grads[0])["tiny"] == pytest.approx(
+        4e-9 / gates.GRAD_FLOOR, rel=1e-3
+    )
     assert gates.gradients_gate(ref, noisy, "float32", gates.Tolerances(1e-4, 1.0, "", "")).passed
 
 
@@ -312,22 +441,41 @@ def test_quality_gate_at_its_bound():
     bound = gates.QUALITY_FRACTION["float32"]
     assert gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.0 + bound / 2)).passed
     assert not gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.0 + 2 * bound)).passed
-    assert gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.0 + 2 * bound), "float16").passed  # wider for 16 bits
+    assert gates.quality_gate(
+        ref, tracing.Trace("c", held_out_loss=5.0 + 2 * bound), "float16"
+    ).passed  # wider for 16 bits
 
 
 def updates_trace(**kw) -> tracing.Trace:
-    base = dict(stepped=[True, False, True], finite=[True, True, True], lrs=[1.0, 2.0], optimizer_steps=2, scheduler_steps=2)
+    base = dict(
+        stepped=[True, False, True],
+        finite=[True, True, True],
+        lrs=[1.0, 2.0],
+        optimizer_steps=2,
+        scheduler_steps=2,
+    )
     return tracing.Trace("u", **{**base, **kw})
 
 
-@pytest.mark.parametrize("change, fragment", [
-    ({}, None),
-    ({"scheduler_steps": 3}, "scheduler moved 3 times"),
-    ({"optimizer_steps": 3}, "optimizer counted 3 steps"),
-    ({"lrs": [1.0, 2.5]}, "effective update 1 ran at lr"),
-    ({"finite": [True, False, False]}, "non-finite value"),
-    ({"stepped": [True, True, True], "lrs": [1.0, 2.0, 2.0], "optimizer_steps": 3, "scheduler_steps": 3}, "3 effective updates"),
-])
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({}, None),
+        ({"scheduler_steps": 3}, "scheduler moved 3 times"),
+        ({"optimizer_steps": 3}, "optimizer counted 3 steps"),
+        ({"lrs": [1.0, 2.5]}, "effective update 1 ran at lr"),
+        ({"finite": [True, False, False]}, "non-finite value"),
+        (
+            {
+                "stepped": [True, True, True],
+                "lrs": [1.0, 2.0, 2.0],
+                "optimizer_steps": 3,
+                "scheduler_steps": 3,
+            },
+            "3 effective updates",
+        ),
+    ],
+)
 def test_updates_gate_checks_every_clock(change, fragment):
     verdict = gates.updates_gate(updates_trace(), updates_trace(**change), expected_lrs=[1.0, 2.0, 3.0])
     assert verdict.passed is (fragment is None)
@@ -338,30 +486,55 @@ def test_updates_gate_checks_every_clock(change, fragment):
 # ----------------------------------------------------------------------------- the decision rules
 
 
-@pytest.mark.parametrize("update_drop, capacity, ratio, outcome", [
-    (0.10, 0.0, 1.25, "accept"),      # both limits met exactly
-    (0.0999, 0.0, 1.25, "no-gain"),   # the peak falls a little less than required, the step no faster
-    (0.10, 0.0, 1.2501, "tune"),      # the step takes a little more than allowed
-    (0.0, 0.81, 1.19, "accept"),      # the optimizer step peaks as high, yet a sequence costs far less: capacity
-    (0.0, 0.81, 1.5, "tune"),
-    (0.0, 0.0, 0.90, "accept"),       # faster by exactly min_speedup at the same peak
-    (0.0, 0.0, 0.9001, "no-gain"),
-    (-0.01, 0.0, 0.80, "tune"),       # faster, but a higher peak
-    (0.0, 0.0, 1.0, "no-gain"),       # correct, neither smaller nor faster: not worth it, not wrong
-    (-0.2, 0.0, 1.5, "no-gain"),
-])
+@pytest.mark.parametrize(
+    "update_drop, capacity, ratio, outcome",
+    [
+        (0.10, 0.0, 1.25, "accept"),  # both limits met exactly
+        (0.0999, 0.0, 1.25, "no-gain"),  # the peak falls a little less than required, the step no faster
+        (0.10, 0.0, 1.2501, "tune"),  # the step takes a little more than allowed
+        (
+            0.0,
+            0.81,
+            1.19,
+            "accept",
+        ),  # the optimizer step peaks as high, yet a sequence costs far less: capacity
+        (0.0, 0.81, 1.5, "tune"),
+        (0.0, 0.0, 0.90, "accept"),  # faster by exactly min_speedup at the same peak
+        (0.0, 0.0, 0.9001, "no-gain"),
+        (-0.01, 0.0, 0.80, "tune"),  # faster, but a higher peak
+        (0.0, 0.0, 1.0, "no-gain"),  # correct, neither smaller nor faster: not worth it, not wrong
+        (-0.2, 0.0, 1.5, "no-gain"),
+    ],
+)
 def test_decide_measured_at_its_boundaries(update_drop, capacity, ratio, outcome):
     assert gates.decide_measured(update_drop, capacity, ratio) == outcome
 
 
 def perf(device="cuda", median=1.0, peak=1000, per_row=100):
     gpu = device == "cuda"
-    return tracing.Performance(device, median, median, peak if gpu else None, peak if gpu else None, None, None, None,
-                               per_row, 0, 0, None, None, 0, 1)
+    return tracing.Performance(
+        device,
+        median,
+        median,
+        peak if gpu else None,
+        peak if gpu else None,
+        None,
+        None,
+        None,
+        per_row,
+        0,
+        0,
+        None,
+        None,
+        0,
+        1,
+    )
 
 
 def test_decide_keeps_wrong_and_not_worth_it_apart_and_decides_nothing_from_cpu_numbers():
-    passed = [gates.Verdict(g, True, {}, "") for g in gates.GATES[:4]] + [gates.Verdict("performance", None, {}, "")]
+    passed = [gates.Verdict(g, True, {}, "") for g in gates.GATES[:4]] + [
+        gates.Verdict("performance", None, {}, "")
+    ]
     failed = passed[:1] + [gates.Verdict("gradients", False, {}, "off")]
     assert gates.decide(failed, None, None)[0] == "reject"
     assert gates.decide(failed, perf(), perf())[0] == "reject"  # a faster wrong candidate stays rejected

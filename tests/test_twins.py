@@ -54,11 +54,15 @@ def test_an_edited_notebook_makes_its_twin_stale_until_rewritten(sandbox):
 def test_an_edited_twin_carries_into_the_notebook_keeping_outputs_and_ids(sandbox):
     before = json.loads(sandbox.read_text(encoding="utf-8"))
     twin = twins.twin_path(sandbox)
-    twin.write_text(twin.read_text(encoding="utf-8").replace("## 运行参数", "## 运行参数（改过）", 1), encoding="utf-8")
+    twin.write_text(
+        twin.read_text(encoding="utf-8").replace("## 运行参数", "## 运行参数（改过）", 1), encoding="utf-8"
+    )
     assert twins.from_text(["Task0"]) == [sandbox]
     after = json.loads(sandbox.read_text(encoding="utf-8"))
     assert [c["id"] for c in after["cells"]] == [c["id"] for c in before["cells"]]
-    changed = [i for i, (a, b) in enumerate(zip(before["cells"], after["cells"])) if a["source"] != b["source"]]
+    changed = [
+        i for i, (a, b) in enumerate(zip(before["cells"], after["cells"])) if a["source"] != b["source"]
+    ]
     assert len(changed) == 1 and "（改过）" in "".join(after["cells"][changed[0]]["source"])
     code = [i for i, c in enumerate(before["cells"]) if c["cell_type"] == "code"]
     assert all(after["cells"][i]["outputs"] == before["cells"][i]["outputs"] for i in code)
@@ -76,21 +80,42 @@ def test_the_cell_id_rename_is_reappliable(tmp_path):
     from trainmech import cellids
     from trainmech.errors import TrainmechError
 
-    nb = {"cells": [{"cell_type": "code", "id": "cell-01", "metadata": {}, "outputs": [], "execution_count": None,
-                     "source": "x = 1"},
-                    {"cell_type": "markdown", "id": "kept", "metadata": {}, "source": "# t"}],
-          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    nb = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "id": "cell-01",
+                "metadata": {},
+                "outputs": [],
+                "execution_count": None,
+                "source": "x = 1",
+            },
+            {"cell_type": "markdown", "id": "kept", "metadata": {}, "source": "# t"},
+        ],
+        "metadata": {},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
     (tmp_path / "Task9_x.ipynb").write_text(json.dumps(nb, indent=1), encoding="utf-8")
     page, keys, mapping = tmp_path / "page.md", tmp_path / "keys.py", tmp_path / "ids.toml"
-    page.write_text("see [Task9 · cell-01](../Task9_x.ipynb) and [Task9 · kept](../Task9_x.ipynb)\n", encoding="utf-8")
+    page.write_text(
+        "see [Task9 · cell-01](../Task9_x.ipynb) and [Task9 · kept](../Task9_x.ipynb)\n", encoding="utf-8"
+    )
     keys.write_text('CELLS = {"Task9:cell-01": "why"}\n', encoding="utf-8")
     mapping.write_text('[Task9]\n"cell-01" = "set-x"\n"cell-77" = "gone"\n', encoding="utf-8")
     run = lambda: cellids.apply(map_path=mapping, notebooks_dir=tmp_path, pages=(page,), keyed_files=(keys,))  # noqa: E731
     first = run()
-    assert len(first.changed) == 3 and first.warnings == ["Task9_x.ipynb: no cell with id 'cell-77' (nor 'gone'); skipped"]
-    assert [c["id"] for c in json.loads((tmp_path / "Task9_x.ipynb").read_text())["cells"]] == ["set-x", "kept"]
-    assert page.read_text() == ("see [Task9 · set-x](../Task9_x.ipynb#cell-id=set-x) and "
-                                "[Task9 · kept](../Task9_x.ipynb#cell-id=kept)\n")
+    assert len(first.changed) == 3 and first.warnings == [
+        "Task9_x.ipynb: no cell with id 'cell-77' (nor 'gone'); skipped"
+    ]
+    assert [c["id"] for c in json.loads((tmp_path / "Task9_x.ipynb").read_text())["cells"]] == [
+        "set-x",
+        "kept",
+    ]
+    assert page.read_text() == (
+        "see [Task9 · set-x](../Task9_x.ipynb#cell-id=set-x) and "
+        "[Task9 · kept](../Task9_x.ipynb#cell-id=kept)\n"
+    )
     assert keys.read_text() == 'CELLS = {"Task9:set-x": "why"}\n'
     assert run().changed == []
     mapping.write_text('[Task9]\n"set-x" = "kept"\n', encoding="utf-8")

@@ -35,9 +35,12 @@ def randn(gen, *shape, scale=1.0):
 
 def autograd_reference(fn, inputs, grad_out, constants=()):
     """(out, grads) from torch.autograd: grads[i] is None for non-float inputs, None, and `constants`."""
-    leaves = [t.detach().clone().requires_grad_(True)
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constants else t
-              for i, t in enumerate(inputs)]
+    leaves = [
+        t.detach().clone().requires_grad_(True)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constants
+        else t
+        for i, t in enumerate(inputs)
+    ]
     out = fn(*leaves)
     (out * grad_out).sum().backward()
     grads = [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
@@ -77,8 +80,14 @@ def tensor_names(saved):
 
 
 @FAST
-@given(seed=seeds, lead=st.lists(small, min_size=0, max_size=3), n_in=small, n_out=small,
-       with_bias=st.booleans(), scale=scales)
+@given(
+    seed=seeds,
+    lead=st.lists(small, min_size=0, max_size=3),
+    n_in=small,
+    n_out=small,
+    with_bias=st.booleans(),
+    scale=scales,
+)
 def test_task2_linear_matches_autograd(seed, lead, n_in, n_out, with_bias, scale):
     g = torch.Generator().manual_seed(seed)
     x, w = randn(g, *lead, n_in, scale=scale), randn(g, n_out, n_in)
@@ -107,13 +116,23 @@ def test_task2_silu_matches_autograd(seed, shape, scale):
 
 
 @FAST
-@given(seed=seeds, shape=st.lists(small, min_size=1, max_size=3), scale=scales,
-       approximate=st.sampled_from(["none", "tanh"]))
+@given(
+    seed=seeds,
+    shape=st.lists(small, min_size=1, max_size=3),
+    scale=scales,
+    approximate=st.sampled_from(["none", "tanh"]),
+)
 def test_task2_gelu_matches_autograd_none_and_tanh(seed, shape, scale, approximate):
     g = torch.Generator().manual_seed(seed)
     x = randn(g, *shape, scale=scale).clamp(-4, 4)  # see TAIL
-    saved = check(f"gelu[{approximate}]", "gelu", lambda x: F.gelu(x, approximate=approximate),
-                  (x,), {"approximate": approximate}, gen=g)
+    saved = check(
+        f"gelu[{approximate}]",
+        "gelu",
+        lambda x: F.gelu(x, approximate=approximate),
+        (x,),
+        {"approximate": approximate},
+        gen=g,
+    )
     assert tensor_names(saved) == {"x"}
 
 
@@ -122,16 +141,30 @@ def test_task2_gelu_matches_autograd_none_and_tanh(seed, shape, scale, approxima
 def test_task2_softmax_matches_autograd(seed, shape, scale, data):
     g = torch.Generator().manual_seed(seed)
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
-    saved = check("softmax", "softmax", lambda x: torch.softmax(x, dim), (randn(g, *shape, scale=scale),),
-                  {"dim": dim}, gen=g)
+    saved = check(
+        "softmax",
+        "softmax",
+        lambda x: torch.softmax(x, dim),
+        (randn(g, *shape, scale=scale),),
+        {"dim": dim},
+        gen=g,
+    )
     assert tensor_names(saved) == {"y"}
 
 
 @FAST
-@given(seed=seeds, N=st.integers(1, 8), V=st.integers(2, 7), scale=scales,
-       reduction=st.sampled_from(["mean", "sum"]), ignore_index=st.sampled_from([-100, -1, 0]),
-       masked_fraction=st.sampled_from([0.0, 0.3, 0.7, 1.0]))
-def test_task2_cross_entropy_matches_autograd_masked(seed, N, V, scale, reduction, ignore_index, masked_fraction):
+@given(
+    seed=seeds,
+    N=st.integers(1, 8),
+    V=st.integers(2, 7),
+    scale=scales,
+    reduction=st.sampled_from(["mean", "sum"]),
+    ignore_index=st.sampled_from([-100, -1, 0]),
+    masked_fraction=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
+)
+def test_task2_cross_entropy_matches_autograd_masked(
+    seed, N, V, scale, reduction, ignore_index, masked_fraction
+):
     g = torch.Generator().manual_seed(seed)
     logits = randn(g, N, V, scale=scale)
     targets = torch.randint(0, V, (N,), generator=g)
@@ -139,33 +172,52 @@ def test_task2_cross_entropy_matches_autograd_masked(seed, N, V, scale, reductio
     if reduction == "mean" and not (targets != ignore_index).any():
         targets[0] = (ignore_index + 1) % V  # the mean needs one valid target (the refusal is tested below)
     grad_out = randn(g)  # a scalar upstream gradient, not just 1
-    saved = check(f"cross_entropy[{reduction}]", "cross_entropy",
-                  lambda z, t: F.cross_entropy(z, t, ignore_index=ignore_index, reduction=reduction),
-                  (logits, targets), {"ignore_index": ignore_index, "reduction": reduction}, grad_out=grad_out)
+    saved = check(
+        f"cross_entropy[{reduction}]",
+        "cross_entropy",
+        lambda z, t: F.cross_entropy(z, t, ignore_index=ignore_index, reduction=reduction),
+        (logits, targets),
+        {"ignore_index": ignore_index, "reduction": reduction},
+        grad_out=grad_out,
+    )
     assert tensor_names(saved) == {"probs", "targets"}
 
 
 @FAST
 # C >= 2: with one channel the normalised output is constant, its true gradient is 0 and only rounding noise is left
-@given(seed=seeds, lead=st.lists(small, min_size=0, max_size=3), C=st.integers(2, 8), scale=scales,
-       eps=st.sampled_from([1e-6, 1e-5, 0.1]))
+@given(
+    seed=seeds,
+    lead=st.lists(small, min_size=0, max_size=3),
+    C=st.integers(2, 8),
+    scale=scales,
+    eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+)
 def test_task2_rms_norm_matches_autograd(seed, lead, C, scale, eps):
     g = torch.Generator().manual_seed(seed)
     x, w = randn(g, *lead, C, scale=scale), 1 + randn(g, C, scale=0.5)
-    saved = check("rms_norm", "rms_norm", lambda x, w: F.rms_norm(x, (C,), w, eps), (x, w), {"eps": eps}, gen=g)
+    saved = check(
+        "rms_norm", "rms_norm", lambda x, w: F.rms_norm(x, (C,), w, eps), (x, w), {"eps": eps}, gen=g
+    )
     assert tensor_names(saved) == {"x", "weight", "rstd"}
 
 
 @FAST
 # C >= 3: with C <= 2 the centred, normalised row is (nearly) constant, its true gradient is ~0 and only
 # rounding noise is left to compare
-@given(seed=seeds, lead=st.lists(small, min_size=0, max_size=3), C=st.integers(3, 8), scale=scales,
-       with_bias=st.booleans())
+@given(
+    seed=seeds,
+    lead=st.lists(small, min_size=0, max_size=3),
+    C=st.integers(3, 8),
+    scale=scales,
+    with_bias=st.booleans(),
+)
 def test_task2_layer_norm_matches_autograd(seed, lead, C, scale, with_bias):
     g = torch.Generator().manual_seed(seed)
     x, w = randn(g, *lead, C, scale=scale), 1 + randn(g, C, scale=0.5)
     b = randn(g, C) if with_bias else None
-    saved = check("layer_norm", "layer_norm", lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5), (x, w, b), {}, gen=g)
+    saved = check(
+        "layer_norm", "layer_norm", lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5), (x, w, b), {}, gen=g
+    )
     assert tensor_names(saved) == {"x", "weight", "mean", "rstd"}
 
 
@@ -178,8 +230,15 @@ def hf_style_rope(x, cos, sin):
 
 
 @FAST
-@given(seed=seeds, B=small, H=small, T=small, half=st.integers(1, 4), cs_rank=st.sampled_from([2, 3]),
-       cs_batch_one=st.booleans())
+@given(
+    seed=seeds,
+    B=small,
+    H=small,
+    T=small,
+    half=st.integers(1, 4),
+    cs_rank=st.sampled_from([2, 3]),
+    cs_batch_one=st.booleans(),
+)
 def test_task2_rope_matches_autograd(seed, B, H, T, half, cs_rank, cs_batch_one):
     g = torch.Generator().manual_seed(seed)
     D = 2 * half
@@ -203,31 +262,57 @@ def sdpa_reference(q, k, v, causal, scale):
 # T >= 2: with a single key softmax is constant, dq = dk = 0 exactly and a relative error is meaningless.
 # q, k scale <= 1: a saturated softmax has gradients far below its inputs' rounding (cancellation), so
 # "relative to the gradient's scale" would measure conditioning, not the formula.
-@given(seed=seeds, B=st.integers(1, 3), heads=st.sampled_from([(4, 4), (4, 2), (4, 1), (6, 3), (3, 1), (1, 1)]),
-       T=st.integers(2, 6), D=st.integers(1, 6), causal=st.booleans(), custom_scale=st.booleans(),
-       extra_keys=st.integers(0, 3), scale=st.sampled_from([1e-2, 0.3, 1.0]))
-def test_task2_attention_matches_autograd_grouped_query(seed, B, heads, T, D, causal, custom_scale, extra_keys, scale):
+@given(
+    seed=seeds,
+    B=st.integers(1, 3),
+    heads=st.sampled_from([(4, 4), (4, 2), (4, 1), (6, 3), (3, 1), (1, 1)]),
+    T=st.integers(2, 6),
+    D=st.integers(1, 6),
+    causal=st.booleans(),
+    custom_scale=st.booleans(),
+    extra_keys=st.integers(0, 3),
+    scale=st.sampled_from([1e-2, 0.3, 1.0]),
+)
+def test_task2_attention_matches_autograd_grouped_query(
+    seed, B, heads, T, D, causal, custom_scale, extra_keys, scale
+):
     g = torch.Generator().manual_seed(seed)
     H, Hkv = heads
     S = T if causal else T + extra_keys  # non-causal may attend to a different number of keys
     q, k, v = randn(g, B, H, T, D, scale=scale), randn(g, B, Hkv, S, D, scale=scale), randn(g, B, Hkv, S, D)
     attn_scale = 0.37 if custom_scale else None
-    saved = check(f"attention[H={H},Hkv={Hkv},causal={causal}]", "attention",
-                  lambda q, k, v: sdpa_reference(q, k, v, causal, attn_scale),
-                  (q, k, v), {"causal": causal, "scale": attn_scale}, gen=g)
+    saved = check(
+        f"attention[H={H},Hkv={Hkv},causal={causal}]",
+        "attention",
+        lambda q, k, v: sdpa_reference(q, k, v, causal, attn_scale),
+        (q, k, v),
+        {"causal": causal, "scale": attn_scale},
+        gen=g,
+    )
     assert tensor_names(saved) == {"q", "k", "v", "probs"}
     assert saved["probs"].shape == (B, H, T, S)
 
 
 @FAST
-@given(seed=seeds, lead=st.lists(small, min_size=0, max_size=2), C=st.integers(1, 6), I=st.integers(1, 8),
-       scale=scales)
+@given(
+    seed=seeds,
+    lead=st.lists(small, min_size=0, max_size=2),
+    C=st.integers(1, 6),
+    I=st.integers(1, 8),
+    scale=scales,
+)
 def test_task2_swiglu_matches_autograd(seed, lead, C, I, scale):
     g = torch.Generator().manual_seed(seed)
     x = randn(g, *lead, C, scale=scale)
     wg, wu, wd = randn(g, I, C), randn(g, I, C), randn(g, C, I)
-    saved = check("swiglu", "swiglu", lambda x, a, b, c: F.linear(F.silu(F.linear(x, a)) * F.linear(x, b), c),
-                  (x, wg, wu, wd), {}, gen=g)
+    saved = check(
+        "swiglu",
+        "swiglu",
+        lambda x, a, b, c: F.linear(F.silu(F.linear(x, a)) * F.linear(x, b), c),
+        (x, wg, wu, wd),
+        {},
+        gen=g,
+    )
     assert tensor_names(saved) == {"x", "w_gate", "w_up", "w_down", "gate", "up"}
 
 
@@ -267,7 +352,9 @@ def test_task2_cross_entropy_refuses_mean_over_zero_targets():
     targets = torch.full((4,), -100)
     with pytest.raises(ValueError, match="mean"):
         vjp.cross_entropy_forward(torch.zeros(4, 3), targets)
-    loss, saved = vjp.cross_entropy_forward(torch.zeros(4, 3), targets, reduction="sum")  # a sum of nothing is 0
+    loss, saved = vjp.cross_entropy_forward(
+        torch.zeros(4, 3), targets, reduction="sum"
+    )  # a sum of nothing is 0
     assert loss.item() == 0.0 and not vjp.cross_entropy_backward(saved, torch.tensor(1.0))[0].any()
 
 
@@ -281,14 +368,19 @@ def test_task2_cross_entropy_refuses_target_out_of_range():
         vjp.cross_entropy_forward(torch.zeros(2, 3), torch.tensor([0, 3]))
 
 
-@pytest.mark.parametrize("call", [
-    lambda: vjp.linear_forward(torch.zeros(2, 3), torch.zeros(4, 5)),
-    lambda: vjp.rms_norm_forward(torch.zeros(2, 3), torch.zeros(4)),
-    lambda: vjp.rope_forward(torch.zeros(1, 1, 2, 3), torch.zeros(2, 3), torch.zeros(2, 3)),
-    lambda: vjp.rope_forward(torch.zeros(1, 1, 2, 4), torch.zeros(3, 4), torch.zeros(3, 4)),
-    lambda: vjp.swiglu_forward(torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(5, 3), torch.zeros(3, 4)),
-    lambda: vjp.embedding_forward(torch.tensor([0, 7]), torch.zeros(5, 2)),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: vjp.linear_forward(torch.zeros(2, 3), torch.zeros(4, 5)),
+        lambda: vjp.rms_norm_forward(torch.zeros(2, 3), torch.zeros(4)),
+        lambda: vjp.rope_forward(torch.zeros(1, 1, 2, 3), torch.zeros(2, 3), torch.zeros(2, 3)),
+        lambda: vjp.rope_forward(torch.zeros(1, 1, 2, 4), torch.zeros(3, 4), torch.zeros(3, 4)),
+        lambda: vjp.swiglu_forward(
+            torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(5, 3), torch.zeros(3, 4)
+        ),
+        lambda: vjp.embedding_forward(torch.tensor([0, 7]), torch.zeros(5, 2)),
+    ],
+)
 def test_task2_bad_shapes_are_refused(call):
     with pytest.raises(ValueError):
         call()
@@ -316,8 +408,10 @@ def test_task2_vjp_uses_no_autograd():
 
 
 def test_task2_importing_vjp_imports_no_other_trainmech_module():
-    code = ("import sys, trainmech; before = set(sys.modules); import trainmech.vjp; "
-            "print(sorted(m for m in set(sys.modules) - before if m.startswith('trainmech')))")
+    code = (
+        "import sys, trainmech; before = set(sys.modules); import trainmech.vjp; "
+        "print(sorted(m for m in set(sys.modules) - before if m.startswith('trainmech')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['trainmech.vjp']"
 
@@ -329,6 +423,10 @@ def test_task2_float32_backward_is_close_to_float64():
     dout = randn(g, 2, 4, 6, 8)
     _, s64 = vjp.attention_forward(q, k, v)
     _, s32 = vjp.attention_forward(q.float(), k.float(), v.float())
-    for name, a, b in zip("qkv", vjp.attention_backward(s32, dout.float()), vjp.attention_backward(s64, dout)):
+    for name, a, b in zip(
+        "qkv", vjp.attention_backward(s32, dout.float()), vjp.attention_backward(s64, dout)
+    ):
         close(f"attention.d{name}[f32]", a, b, rtol=1e-5)
-    assert 2 * vjp.saved_bytes(s32) == vjp.saved_bytes(s64)  # the same tensors (q, k, v, probs), half the bytes
+    assert 2 * vjp.saved_bytes(s32) == vjp.saved_bytes(
+        s64
+    )  # the same tensors (q, k, v, probs), half the bytes

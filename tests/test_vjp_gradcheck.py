@@ -35,7 +35,10 @@ from trainmech.checks import rel_error
 pytestmark = pytest.mark.task2
 
 FAST = settings(max_examples=40, deadline=None)
-RTOL = {torch.float32: 32 * torch.finfo(torch.float32).eps, torch.bfloat16: 16 * torch.finfo(torch.bfloat16).eps}
+RTOL = {
+    torch.float32: 32 * torch.finfo(torch.float32).eps,
+    torch.bfloat16: 16 * torch.finfo(torch.bfloat16).eps,
+}
 
 
 def as_function(op, **options):
@@ -59,8 +62,11 @@ def as_function(op, **options):
         return backward(saved, grad_out)
 
     # a class named after the op, so that its graph node reads e.g. "linear_pairBackward"
-    pair = type(f"{op}_pair", (torch.autograd.Function,),
-                {"forward": staticmethod(pair_forward), "backward": staticmethod(pair_backward)})
+    pair = type(
+        f"{op}_pair",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(pair_forward), "backward": staticmethod(pair_backward)},
+    )
     return pair.apply
 
 
@@ -103,8 +109,23 @@ def case_inputs(op, gen, B=2, T=3, C=4):
     raise KeyError(op)
 
 
-OPS = ["linear", "linear_nobias", "embedding", "silu", "gelu", "gelu_tanh", "softmax", "cross_entropy",
-       "cross_entropy_sum", "rms_norm", "layer_norm", "rope", "attention_gqa_causal", "attention_mha", "swiglu"]
+OPS = [
+    "linear",
+    "linear_nobias",
+    "embedding",
+    "silu",
+    "gelu",
+    "gelu_tanh",
+    "softmax",
+    "cross_entropy",
+    "cross_entropy_sum",
+    "rms_norm",
+    "layer_norm",
+    "rope",
+    "attention_gqa_causal",
+    "attention_mha",
+    "swiglu",
+]
 
 
 def pair_name(op):
@@ -123,9 +144,12 @@ def pair_name(op):
 def test_task2_gradcheck_of_each_pair_as_autograd_function(op):
     gen = torch.Generator().manual_seed(0)
     options, inputs, constants = case_inputs(op, gen)
-    inputs = tuple(t.detach().requires_grad_(True)
-                   if isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constants else t
-                   for i, t in enumerate(inputs))
+    inputs = tuple(
+        t.detach().requires_grad_(True)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constants
+        else t
+        for i, t in enumerate(inputs)
+    )
     assert torch.autograd.gradcheck(as_function(pair_name(op), **options), inputs)
 
 
@@ -146,8 +170,14 @@ def test_task2_function_wrapper_matches_autograd_on_the_torch_op():
 
 
 @FAST
-@given(op=st.sampled_from(OPS), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1),
-       B=st.integers(1, 3), T=st.integers(3, 6), C=st.integers(4, 8))
+@given(
+    op=st.sampled_from(OPS),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+    B=st.integers(1, 3),
+    T=st.integers(3, 6),
+    C=st.integers(4, 8),
+)
 def test_task2_low_precision_is_close_to_float64(op, dtype, seed, B, T, C):
     gen = torch.Generator().manual_seed(seed)
     options, inputs, _ = case_inputs(op, gen, B, T, C)

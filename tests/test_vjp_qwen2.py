@@ -160,7 +160,9 @@ def test_task2_decoder_layer_matches_hf_layer(request, dtype, rtol, tiny_model):
     dx, dparams = q2.layer_backward(saved, grad_out)
 
     x_ref = x.clone().requires_grad_(True)
-    out_ref = layer(x_ref, attention_mask=causal_additive_mask(T, dtype), position_embeddings=(cos[None], sin[None]))
+    out_ref = layer(
+        x_ref, attention_mask=causal_additive_mask(T, dtype), position_embeddings=(cos[None], sin[None])
+    )
     layer.zero_grad()
     (out_ref * grad_out).sum().backward()
     tag = "" if dtype == torch.float64 else "[f32]"
@@ -228,7 +230,9 @@ def test_task2_model_loss_refuses_padding_mask_and_all_ignored_labels(tiny_model
 
 def test_task2_unsupported_config_is_refused(tiny_model, tiny_qwen2_config):
     with pytest.raises(ValueError, match="rope_type"):
-        q2.rope_cos_sin(tiny_qwen2_config(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), T)
+        q2.rope_cos_sin(
+            tiny_qwen2_config(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), T
+        )
     model = tiny_model(torch.float32, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     input_ids, labels = batch()
     with pytest.raises(ValueError, match="full"):
@@ -246,10 +250,15 @@ def test_task2_hf_float64_reference_changes_only_float64_and_restores_the_stock_
     stock32, stock64 = model32(input_ids=input_ids).logits, model64(input_ids=input_ids).logits
     with pytest.raises(RuntimeError, match="boom"), q2.hf_float64_reference():
         assert modeling_qwen2.Qwen2RMSNorm.forward is not stock_norm
-        assert torch.equal(model32(input_ids=input_ids).logits, stock32)  # float32: exactly the stock numerics
+        assert torch.equal(
+            model32(input_ids=input_ids).logits, stock32
+        )  # float32: exactly the stock numerics
         patched64 = model64(input_ids=input_ids).logits
         raise RuntimeError("boom")  # the patches are undone even when the block fails
-    assert modeling_qwen2.Qwen2RMSNorm.forward is stock_norm and modeling_qwen2.eager_attention_forward is stock_eager
+    assert (
+        modeling_qwen2.Qwen2RMSNorm.forward is stock_norm
+        and modeling_qwen2.eager_attention_forward is stock_eager
+    )
     ours, _ = q2.model_loss_forward(model64, input_ids, labels)
     close("loss[f64 reference]", q2.causal_lm_loss(patched64, labels), ours, rtol=RTOL64)
     stock_error = abs(q2.causal_lm_loss(stock64, labels) - ours).item() / ours.abs().item()

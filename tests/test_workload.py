@@ -1,4 +1,5 @@
 """The offline workload (trainmech.workload): corpus, tokenizer, batches, masks, the model factory."""
+
 from __future__ import annotations
 
 import hashlib

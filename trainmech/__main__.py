@@ -38,9 +38,15 @@ Examples:
 # Commands with a parser of their own: name -> (module with main(argv), one-line help).
 OWN_PARSERS = {
     "ledger": ("trainmech.ledger", "the training-state ledger calculator (its own --help)"),
-    "portability": ("trainmech.portability", "outputs, margins and records under other numeric paths (its own --help)"),
+    "portability": (
+        "trainmech.portability",
+        "outputs, margins and records under other numeric paths (its own --help)",
+    ),
     "gpu-check": ("trainmech.gpucheck", "run every CUDA-only branch once and report (its own --help)"),
-    "twins": ("trainmech.twins", "write or check the notebooks' text twins, notebooks/text/*.md (its own --help)"),
+    "twins": (
+        "trainmech.twins",
+        "write or check the notebooks' text twins, notebooks/text/*.md (its own --help)",
+    ),
 }
 
 
@@ -75,40 +81,95 @@ once (longest first); failures, timeouts, interruption and replacement behave as
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog="python -m trainmech", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m trainmech",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", metavar="{run,registry,lint,refresh,ledger,portability,gpu-check}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{run,registry,lint,refresh,ledger,portability,gpu-check}"
+    )
 
-    run = sub.add_parser("run", help="execute the notebooks headless", description=RUN_DESCRIPTION,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("--mode", default="cpu", help="run mode: cpu (default) or TRAIN-CUDA-MECHANISM (needs one CUDA GPU)")
-    run.add_argument("--label", default="local", help="results folder name under results/ (1-100 letters, digits, . _ -; "
-                     "not ending in .partial); default: local")
-    run.add_argument("--only", nargs="+", metavar="TaskN", help="run only these notebooks and merge them into the label, e.g. --only Task0 Task3")
-    run.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
-                     help="override a variable the notebooks' parameters cell assigns, with a value of its default's type "
-                          "(e.g. -p SEED=1); it goes to the notebooks that assign it. RUN_MODE and RUN_LABEL: use --mode and --label")
-    run.add_argument("--timeout", type=float, default=1200.0, help="seconds one notebook may run before it is stopped and reported as timeout (default 1200)")
-    run.add_argument("--jobs", type=int, metavar="N", help="notebooks executed at once, each in its own kernel, longest "
-                     "first (by the label's last run.json); default: the usable cores (1 in TRAIN-CUDA-MECHANISM mode), "
-                     "lowered when the available memory would not hold that many kernels of the largest peak RSS the label's "
-                     "last run measured (2 GiB each before any). Results are the same as with --jobs 1")
-    run.add_argument("--benchmark-jobs", action="store_true", help="benchmark, writes nothing: run every notebook (CPU) with "
-                     "--jobs 1 and then --jobs N (default 2) into a throw-away folder and print both times, their ratio "
-                     "and whether the records and outputs agree apart from times")
+    run = sub.add_parser(
+        "run",
+        help="execute the notebooks headless",
+        description=RUN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument(
+        "--mode", default="cpu", help="run mode: cpu (default) or TRAIN-CUDA-MECHANISM (needs one CUDA GPU)"
+    )
+    run.add_argument(
+        "--label",
+        default="local",
+        help="results folder name under results/ (1-100 letters, digits, . _ -; "
+        "not ending in .partial); default: local",
+    )
+    run.add_argument(
+        "--only",
+        nargs="+",
+        metavar="TaskN",
+        help="run only these notebooks and merge them into the label, e.g. --only Task0 Task3",
+    )
+    run.add_argument(
+        "-p",
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a variable the notebooks' parameters cell assigns, with a value of its default's type "
+        "(e.g. -p SEED=1); it goes to the notebooks that assign it. RUN_MODE and RUN_LABEL: use --mode and --label",
+    )
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=1200.0,
+        help="seconds one notebook may run before it is stopped and reported as timeout (default 1200)",
+    )
+    run.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="notebooks executed at once, each in its own kernel, longest "
+        "first (by the label's last run.json); default: the usable cores (1 in TRAIN-CUDA-MECHANISM mode), "
+        "lowered when the available memory would not hold that many kernels of the largest peak RSS the label's "
+        "last run measured (2 GiB each before any). Results are the same as with --jobs 1",
+    )
+    run.add_argument(
+        "--benchmark-jobs",
+        action="store_true",
+        help="benchmark, writes nothing: run every notebook (CPU) with "
+        "--jobs 1 and then --jobs N (default 2) into a throw-away folder and print both times, their ratio "
+        "and whether the records and outputs agree apart from times",
+    )
     run.add_argument("--quiet", action="store_true", help="no progress lines")
 
-    reg = sub.add_parser("registry", help="print the registry table from a run's records", description="Render the experiment registry from the records of results/<label>/.")
-    reg.add_argument("--label", default="cpu-reference", help="which run under results/ (default: cpu-reference)")
+    reg = sub.add_parser(
+        "registry",
+        help="print the registry table from a run's records",
+        description="Render the experiment registry from the records of results/<label>/.",
+    )
+    reg.add_argument(
+        "--label", default="cpu-reference", help="which run under results/ (default: cpu-reference)"
+    )
 
-    ref = sub.add_parser("refresh", help="re-execute notebooks in place (maintainers)", description="Re-execute the committed notebooks with their default parameters (CPU) and store the outputs that nbval compares against.")
+    ref = sub.add_parser(
+        "refresh",
+        help="re-execute notebooks in place (maintainers)",
+        description="Re-execute the committed notebooks with their default parameters (CPU) and store the outputs that nbval compares against.",
+    )
     ref.add_argument("--only", nargs="+", metavar="TaskN", help="refresh only these notebooks")
 
     for name, (_, help_text) in OWN_PARSERS.items():
         sub.add_parser(name, add_help=False, help=help_text)
 
-    lint = sub.add_parser("lint", help="glossary and prose rules", description="Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.")
-    lint.add_argument("--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first")
+    lint = sub.add_parser(
+        "lint",
+        help="glossary and prose rules",
+        description="Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.",
+    )
+    lint.add_argument(
+        "--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first"
+    )
     return parser
 
 
@@ -129,8 +190,15 @@ def main(argv: list[str] | None = None) -> int:
                 runner.benchmark_jobs(args.jobs or 2, timeout=args.timeout)
                 return 0
             overrides = _parse_overrides(args.param)
-            return runner.run(args.mode, args.label, only=args.only, overrides=overrides, timeout=args.timeout,
-                              jobs=args.jobs, progress=not args.quiet)
+            return runner.run(
+                args.mode,
+                args.label,
+                only=args.only,
+                overrides=overrides,
+                timeout=args.timeout,
+                jobs=args.jobs,
+                progress=not args.quiet,
+            )
         if args.command == "registry":
             return _registry(args.label)
         if args.command == "refresh":
@@ -163,8 +231,14 @@ def _registry(label: str) -> int:
     results.check_label(label)
     folder = RESULTS_ROOT / label
     if not folder.is_dir():
-        runs = sorted(p.name for p in RESULTS_ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")) if RESULTS_ROOT.is_dir() else []
-        raise TrainmechError(f"no run labelled {label!r} under results/; present: {', '.join(runs) or 'none'}")
+        runs = (
+            sorted(p.name for p in RESULTS_ROOT.iterdir() if p.is_dir() and not p.name.startswith("."))
+            if RESULTS_ROOT.is_dir()
+            else []
+        )
+        raise TrainmechError(
+            f"no run labelled {label!r} under results/; present: {', '.join(runs) or 'none'}"
+        )
     records, invalid = results.read_run(folder)
     print(results.registry_markdown(records, label, invalid), end="")
     return 1 if invalid else 0

@@ -17,6 +17,17 @@ import torch
 from trainmech.checks import dtype_name
 from trainmech.errors import TrainmechError
 
+__all__ = [
+    "PRECISIONS",
+    "compute_dtype",
+    "precision_of",
+    "autocast",
+    "activation_dtypes",
+    "grad_scaler",
+    "scaled_step",
+    "fresh_accelerator",
+]
+
 # precision -> the dtype autocast runs in (None: no autocast, FP32 throughout); the one table of precisions
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,7 +58,9 @@ def _kind(module: torch.nn.Module) -> str:
 
 
 @contextmanager
-def activation_dtypes(model: torch.nn.Module, kinds: tuple[str, ...] = ("Linear",)) -> Iterator[dict[str, set[str]]]:
+def activation_dtypes(
+    model: torch.nn.Module, kinds: tuple[str, ...] = ("Linear",)
+) -> Iterator[dict[str, set[str]]]:
     """Within the block, collect {module class name: dtypes of its outputs} for modules of `kinds`.
 
     kinds are class names (e.g. "Linear", "Qwen2RMSNorm", "Embedding"). The hooks are removed on

@@ -32,6 +32,23 @@ from trainmech.offload import ActivationOffload
 from trainmech.update import wsd_multiplier
 from trainmech.workload import lm_batch, split_micro_batches, supervised_tokens, uneven_batch
 
+__all__ = [
+    "MAX_SCALE_HALVINGS",
+    "TrainState",
+    "Window",
+    "window_backward",
+    "effective_update",
+    "Candidate",
+    "candidate",
+    "activation_checkpointing",
+    "Offloading",
+    "residual_dropout",
+    "GateWorkload",
+    "gate_workload",
+    "fixed_batch_workload",
+    "calibrated_scale",
+]
+
 MAX_SCALE_HALVINGS = 40  # FP16 loss-scale calibration gives up below 2**16 / 2**40
 
 
@@ -61,16 +78,24 @@ class Window(list):
 # ----------------------------------------------------------------------------- the package's step
 
 
-def window_backward(state: TrainState, window: list[dict], *, contexts=(), normalization: str = "window_tokens") -> torch.Tensor:
+def window_backward(
+    state: TrainState, window: list[dict], *, contexts=(), normalization: str = "window_tokens"
+) -> torch.Tensor:
     """One accumulation window by `supervision.accumulate_gradients`: the strategy contexts (functions
     model -> context manager, entered in order) around each micro-batch, the claimed precision's
     autocast around the forward, GradScaler's scaling before the backward. Returns the window's loss
     (unscaled, a device tensor: nothing here waits for the device)."""
     device = state.device
     return supervision.accumulate_gradients(
-        state.model, list(window), normalization=normalization, micro_tokens=getattr(window, "tokens", None),
-        autocast=lambda: amp.autocast(device, state.precision), contexts=tuple(contexts),
-        scale=state.scaler.scale if state.scaler.is_enabled() else None, forward_kwargs={"use_cache": False}).loss
+        state.model,
+        list(window),
+        normalization=normalization,
+        micro_tokens=getattr(window, "tokens", None),
+        autocast=lambda: amp.autocast(device, state.precision),
+        contexts=tuple(contexts),
+        scale=state.scaler.scale if state.scaler.is_enabled() else None,
+        forward_kwargs={"use_cache": False},
+    ).loss
 
 
 def effective_update(state: TrainState) -> bool:
@@ -109,7 +134,9 @@ class Candidate:
 
 def candidate(name: str, semantic_id: str, *contexts, dtype: str = "float32", **kwargs) -> Candidate:
     """A candidate whose backward is `window_backward` inside the given strategy contexts."""
-    return Candidate(name, semantic_id, dtype, partial(window_backward, contexts=contexts), strategies=contexts, **kwargs)
+    return Candidate(
+        name, semantic_id, dtype, partial(window_backward, contexts=contexts), strategies=contexts, **kwargs
+    )
 
 
 # ----------------------------------------------------------------------------- strategy contexts
@@ -191,7 +218,9 @@ class GateWorkload:
     dropout: float = 0.0  # residual dropout after each MLP (`residual_dropout`)
     foreach: bool | None = True  # AdamW's kernel, forced (None: PyTorch's default for the device)
     loss_scale_start: float = 2.0**16  # FP16: GradScaler's init_scale before the calibration
-    calibrate_loss_scale: bool = True  # FP16: find the start scale before the traced attempts (`calibrated_scale`)
+    calibrate_loss_scale: bool = (
+        True  # FP16: find the start scale before the traced attempts (`calibrated_scale`)
+    )
 
     @property
     def device(self) -> torch.device:
@@ -218,43 +247,99 @@ class GateWorkload:
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, foreach=self.foreach)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: wsd_multiplier(k, **self.schedule))
         scaler_kwargs = {} if init_scale is None else {"init_scale": init_scale}
-        return TrainState(self.model, optimizer, scheduler, amp.grad_scaler(self.device, cand.precision, **scaler_kwargs),
-                          cand.precision)
+        return TrainState(
+            self.model,
+            optimizer,
+            scheduler,
+            amp.grad_scaler(self.device, cand.precision, **scaler_kwargs),
+            cand.precision,
+        )
 
 
 def _on(device: torch.device, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def gate_workload(model, *, rows: int, seq: int, micro_batches: int, attempts: int, inject_at=(), lr=1e-3,
-                  warmup_updates: int = 1, decay_updates: int = 1, min_lr_ratio: float = 0.1, seed: int = 0,
-                  dropout: float = 0.0, foreach: bool | None = True) -> GateWorkload:
+def gate_workload(
+    model,
+    *,
+    rows: int,
+    seq: int,
+    micro_batches: int,
+    attempts: int,
+    inject_at=(),
+    lr=1e-3,
+    warmup_updates: int = 1,
+    decay_updates: int = 1,
+    min_lr_ratio: float = 0.1,
+    seed: int = 0,
+    dropout: float = 0.0,
+    foreach: bool | None = True,
+) -> GateWorkload:
     """Windows of `workload.uneven_batch` rows from successive stretches of the domain text, split into
     micro-batches; a held-out batch of the same shape from the general text; a WSD schedule over
     the effective updates (attempts minus injected ones)."""
     device = next(model.parameters()).device
-    windows = [Window([_on(device, mb) for mb in split_micro_batches(uneven_batch(rows, seq, offset=a * rows * seq), micro_batches)])
-               for a in range(attempts)]
+    windows = [
+        Window(
+            [
+                _on(device, mb)
+                for mb in split_micro_batches(uneven_batch(rows, seq, offset=a * rows * seq), micro_batches)
+            ]
+        )
+        for a in range(attempts)
+    ]
     effective = attempts - len(set(inject_at))
     stable = effective - warmup_updates - decay_updates
     if stable < 0:
-        raise TrainmechError(f"{effective} effective updates cannot hold warmup {warmup_updates} + decay {decay_updates}")
-    schedule = dict(warmup_steps=warmup_updates, stable_steps=stable, decay_steps=decay_updates, min_lr_ratio=min_lr_ratio)
+        raise TrainmechError(
+            f"{effective} effective updates cannot hold warmup {warmup_updates} + decay {decay_updates}"
+        )
+    schedule = dict(
+        warmup_steps=warmup_updates, stable_steps=stable, decay_steps=decay_updates, min_lr_ratio=min_lr_ratio
+    )
     initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    return GateWorkload(model, initial, windows, _on(device, uneven_batch(rows, seq, "general")), tuple(inject_at), lr,
-                        schedule, seed, dropout, foreach)
+    return GateWorkload(
+        model,
+        initial,
+        windows,
+        _on(device, uneven_batch(rows, seq, "general")),
+        tuple(inject_at),
+        lr,
+        schedule,
+        seed,
+        dropout,
+        foreach,
+    )
 
 
-def fixed_batch_workload(model, batch: dict[str, torch.Tensor], *, updates: int, lr: float = 1e-3, seed: int = 0,
-                         foreach: bool | None = None) -> GateWorkload:
+def fixed_batch_workload(
+    model,
+    batch: dict[str, torch.Tensor],
+    *,
+    updates: int,
+    lr: float = 1e-3,
+    seed: int = 0,
+    foreach: bool | None = None,
+) -> GateWorkload:
     """`updates` windows of one full batch each, a constant learning rate, no injected sample, no dropout,
     AdamW's kernel the device's default: a memory strategy's experiment (Task5) run through the gates."""
     device = next(model.parameters()).device
     rows, seq = batch["input_ids"].shape
     initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     schedule = dict(warmup_steps=0, stable_steps=updates, decay_steps=0)
-    return GateWorkload(model, initial, [Window([_on(device, batch)]) for _ in range(updates)],
-                        _on(device, lm_batch("general", rows, seq)), (), lr, schedule, seed, 0.0, foreach)
+    return GateWorkload(
+        model,
+        initial,
+        [Window([_on(device, batch)]) for _ in range(updates)],
+        _on(device, lm_batch("general", rows, seq)),
+        (),
+        lr,
+        schedule,
+        seed,
+        0.0,
+        foreach,
+    )
 
 
 # ----------------------------------------------------------------------------- FP16: the loss scale's start
@@ -282,4 +367,6 @@ def calibrated_scale(cand: Candidate, gw: GateWorkload) -> tuple[float | None, i
         state.optimizer.zero_grad(set_to_none=True)
         if state.scaler.get_scale() >= before:
             return before, halvings
-    raise TrainmechError(f"candidate {cand.name}: no loss scale down to 2**{16 - MAX_SCALE_HALVINGS} gives finite gradients")
+    raise TrainmechError(
+        f"candidate {cand.name}: no loss scale down to 2**{16 - MAX_SCALE_HALVINGS} gives finite gradients"
+    )

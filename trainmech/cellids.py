@@ -34,15 +34,37 @@ from pathlib import Path
 from trainmech.errors import TrainmechError
 from trainmech.results import REPO_ROOT
 
+__all__ = [
+    "MAP_PATH",
+    "NOTEBOOKS_DIR",
+    "PAGES",
+    "KEYED_FILES",
+    "VALID_ID",
+    "POSITIONAL_ID",
+    "CITATION",
+    "KEY",
+    "fragment",
+    "Report",
+    "load_map",
+    "apply",
+    "positional_ids",
+    "main",
+]
+
 MAP_PATH = REPO_ROOT / "notebooks" / "cell_ids.toml"
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
-PAGES = tuple(REPO_ROOT / "notebooks" / "reference" / p for p in ("formulas.md", "troubleshooting.md", "problem_chain.md"))
+PAGES = tuple(
+    REPO_ROOT / "notebooks" / "reference" / p
+    for p in ("formulas.md", "troubleshooting.md", "problem_chain.md")
+)
 KEYED_FILES = (REPO_ROOT / "trainmech" / "gpucheck" / "branches.py",)
 
 VALID_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 POSITIONAL_ID = re.compile(r"cell-\d+")
 # [TaskN · id](../TaskN_name.ipynb) with or without a fragment
-CITATION = re.compile(r"\[Task(\d) · ([A-Za-z0-9][A-Za-z0-9_-]*)\]\(\.\./(Task(\d)_[A-Za-z0-9_]+\.ipynb)(#[^)\s]*)?\)")
+CITATION = re.compile(
+    r"\[Task(\d) · ([A-Za-z0-9][A-Za-z0-9_-]*)\]\(\.\./(Task(\d)_[A-Za-z0-9_]+\.ipynb)(#[^)\s]*)?\)"
+)
 KEY = re.compile(r"([\"'])Task(\d):([A-Za-z0-9_-]+)\1")
 
 
@@ -64,14 +86,18 @@ def load_map(path: Path | None = None) -> dict[str, dict[str, str]]:
         data = tomllib.load(f)
     for task, renames in data.items():
         if not re.fullmatch(r"Task\d", task) or not isinstance(renames, dict):
-            raise TrainmechError(f"{path.name}: [{task}] is not a [TaskN] table of old = \"new\" ids")
+            raise TrainmechError(f'{path.name}: [{task}] is not a [TaskN] table of old = "new" ids')
         bad = [new for new in renames.values() if not isinstance(new, str) or not VALID_ID.fullmatch(new)]
         if bad:
-            raise TrainmechError(f"{path.name} [{task}]: not a valid cell id (letters, digits, - and _, at most 64): {bad}")
+            raise TrainmechError(
+                f"{path.name} [{task}]: not a valid cell id (letters, digits, - and _, at most 64): {bad}"
+            )
         seen: dict[str, str] = {}
         for old, new in renames.items():
             if new in seen:
-                raise TrainmechError(f"{path.name} [{task}]: {new!r} is given to both {seen[new]!r} and {old!r}")
+                raise TrainmechError(
+                    f"{path.name} [{task}]: {new!r} is given to both {seen[new]!r} and {old!r}"
+                )
             seen[new] = old
     return data
 
@@ -95,11 +121,13 @@ def _rename_in_notebook(path: Path, renames: dict[str, str], report: Report, wri
                 report.warnings.append(f"{path.name}: no cell with id {old!r} (nor {new!r}); skipped")
             continue
         if new in present:
-            raise TrainmechError(f"{path.name}: cannot rename {old!r} to {new!r}, another cell already has that id")
+            raise TrainmechError(
+                f"{path.name}: cannot rename {old!r} to {new!r}, another cell already has that id"
+            )
         pattern = re.compile(r'("id":\s*)"' + re.escape(old) + '"')
-        text, n = pattern.subn(lambda m: m.group(1) + json.dumps(new), text)
+        text, n = pattern.subn(lambda m, new=new: m.group(1) + json.dumps(new), text)
         if n != 1:
-            raise TrainmechError(f"{path.name}: expected one \"id\": {old!r} line, found {n}")
+            raise TrainmechError(f'{path.name}: expected one "id": {old!r} line, found {n}')
         present.discard(old)
         present.add(new)
         applied[old] = new
@@ -128,8 +156,14 @@ def _rewrite_keys(text: str, renames: dict[str, dict[str, str]]) -> str:
     return KEY.sub(sub, text)
 
 
-def apply(*, write: bool = True, map_path: Path | None = None, notebooks_dir: Path | None = None,
-          pages: tuple[Path, ...] | None = None, keyed_files: tuple[Path, ...] | None = None) -> Report:
+def apply(
+    *,
+    write: bool = True,
+    map_path: Path | None = None,
+    notebooks_dir: Path | None = None,
+    pages: tuple[Path, ...] | None = None,
+    keyed_files: tuple[Path, ...] | None = None,
+) -> Report:
     """Apply the map everywhere (write=False: only report what would change)."""
     notebooks_dir = notebooks_dir or NOTEBOOKS_DIR
     mapping = load_map(map_path)
@@ -141,7 +175,10 @@ def apply(*, write: bool = True, map_path: Path | None = None, notebooks_dir: Pa
             report.warnings.append(f"no {task}_*.ipynb under {notebooks_dir}; its renames skipped")
             continue
         _rename_in_notebook(path, renames, report, write)
-    for path in (*(PAGES if pages is None else pages), *(KEYED_FILES if keyed_files is None else keyed_files)):
+    for path in (
+        *(PAGES if pages is None else pages),
+        *(KEYED_FILES if keyed_files is None else keyed_files),
+    ):
         text = path.read_text(encoding="utf-8")
         new = _rewrite_citations(text, mapping) if path.suffix == ".md" else _rewrite_keys(text, mapping)
         if new != text:
@@ -155,8 +192,11 @@ def positional_ids(notebooks_dir: Path | None = None) -> dict[str, list[str]]:
     """{notebook name: its positional ids (cell-NN)}, for the notebooks that still have any."""
     out = {}
     for path in sorted((notebooks_dir or NOTEBOOKS_DIR).glob("Task*.ipynb")):
-        found = [c.get("id", "") for c in json.loads(path.read_text(encoding="utf-8"))["cells"]
-                 if POSITIONAL_ID.fullmatch(c.get("id", ""))]
+        found = [
+            c.get("id", "")
+            for c in json.loads(path.read_text(encoding="utf-8"))["cells"]
+            if POSITIONAL_ID.fullmatch(c.get("id", ""))
+        ]
         if found:
             out[path.name] = found
     return out

@@ -31,6 +31,18 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from trainmech.measure import born_as
 
+__all__ = [
+    "aten",
+    "hf_checkpointing",
+    "checkpoint_layers",
+    "MATMUL_OPS",
+    "save_matmuls",
+    "RecomputeCount",
+    "counting_context",
+    "count_calls",
+    "dispatched_ops",
+]
+
 aten = torch.ops.aten
 
 
@@ -58,7 +70,11 @@ def hf_checkpointing(model: torch.nn.Module, **checkpoint_kwargs) -> Iterator[No
     """
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-    kwargs = {"use_reentrant": False, **checkpoint_kwargs, "context_fn": _announced(checkpoint_kwargs.get("context_fn"))}
+    kwargs = {
+        "use_reentrant": False,
+        **checkpoint_kwargs,
+        "context_fn": _announced(checkpoint_kwargs.get("context_fn")),
+    }
     enable(kwargs)  # the first parameter in both spellings
     try:
         yield
@@ -86,8 +102,14 @@ def checkpoint_layers(
     for _, layer in chosen:
 
         def forward(*args, _plain=layer.forward, **kwargs):  # _plain: the class's bound forward
-            return checkpoint(_plain, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
-                              context_fn=announced, **kwargs)
+            return checkpoint(
+                _plain,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=preserve_rng_state,
+                context_fn=announced,
+                **kwargs,
+            )
 
         layer.forward = forward  # an instance attribute shadows the class's forward
     try:
@@ -168,7 +190,9 @@ def counting_context(count: RecomputeCount, policy: Callable | None = None) -> C
     def counted_policy(ctx, op, *args, **kwargs):
         decision = policy(ctx, op, *args, **kwargs)
         saved = decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
-        if saved and _counted(op) and not getattr(ctx, "is_recompute", False):  # older torch asks again in the recompute
+        if (
+            saved and _counted(op) and not getattr(ctx, "is_recompute", False)
+        ):  # older torch asks again in the recompute
             count.saved_ops += 1
         return decision
 
@@ -227,7 +251,11 @@ def dispatched_ops(layers: Iterable[torch.nn.Module], ops: frozenset = MATMUL_OP
     def leave(*_):
         mode.inside = False
 
-    handles = [h for layer in layers for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))]
+    handles = [
+        h
+        for layer in layers
+        for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))
+    ]
     try:
         with mode:
             yield mode.seen

@@ -29,6 +29,20 @@ import torch
 
 from trainmech.display import ShortTraceback
 
+__all__ = [
+    "ClaimFailed",
+    "log_checks_to",
+    "num",
+    "dtype_name",
+    "claim",
+    "claim_at_most",
+    "claim_at_least",
+    "rel_error",
+    "close",
+    "equal",
+    "raises",
+]
+
 _log_path: Path | None = None
 _logged = 0
 
@@ -52,11 +66,20 @@ def log_checks_to(path: str | Path | None) -> None:
         _log_path.unlink(missing_ok=True)
 
 
-def _log(kind: str, statement: str, holds: bool, value: float | None = None, limit: float | None = None) -> None:
+def _log(
+    kind: str, statement: str, holds: bool, value: float | None = None, limit: float | None = None
+) -> None:
     global _logged
     if _log_path is None:
         return
-    entry = {"n": _logged, "kind": kind, "statement": statement, "holds": holds, "value": _finite_or_text(value), "limit": _finite_or_text(limit)}
+    entry = {
+        "n": _logged,
+        "kind": kind,
+        "statement": statement,
+        "holds": holds,
+        "value": _finite_or_text(value),
+        "limit": _finite_or_text(limit),
+    }
     if _logged == 0:
         _log_path.parent.mkdir(parents=True, exist_ok=True)
     with _log_path.open("a" if _logged else "w", encoding="utf-8") as f:

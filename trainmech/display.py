@@ -22,6 +22,17 @@ import traceback
 from collections.abc import Iterable
 from pathlib import Path
 
+__all__ = [
+    "PACKAGE_DIR",
+    "TRACEBACK_ENV",
+    "PROGRESS_ENV",
+    "user_frame",
+    "describe_frame",
+    "ShortTraceback",
+    "progress_mode",
+    "progress",
+]
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 TRACEBACK_ENV = "TRAINMECH_TRACEBACK"  # "full": IPython's own traceback for the package's errors
 PROGRESS_ENV = "TRAINMECH_PROGRESS"  # "bar" | "text" | "off": overrides progress_mode()'s choice
@@ -140,4 +151,6 @@ def progress(iterable: Iterable, *, desc: str = "", total: int | None = None, un
         from tqdm.notebook import tqdm
     else:
         from tqdm import tqdm
-    return tqdm(iterable, desc=desc or None, total=total, unit=unit, file=None if mode == "bar" else sys.stderr)
+    return tqdm(
+        iterable, desc=desc or None, total=total, unit=unit, file=None if mode == "bar" else sys.stderr
+    )

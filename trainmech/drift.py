@@ -22,6 +22,8 @@ from typing import Any
 from trainmech import results
 from trainmech.session import REPO_ROOT
 
+__all__ = ["REFERENCE_DIR", "Rule", "Drift", "rules", "rule_for", "compare_values", "compare_runs"]
+
 REFERENCE_DIR = REPO_ROOT / "results" / "cpu-reference"
 _MISSING = object()
 
@@ -77,13 +79,17 @@ def rule_for(field: str, value: Any, *, strict: bool = False) -> Rule:
     return rule
 
 
-def compare_values(field: str, fresh: Any, reference: Any, record: str = "", *, strict: bool = False) -> list[Drift]:
+def compare_values(
+    field: str, fresh: Any, reference: Any, record: str = "", *, strict: bool = False
+) -> list[Drift]:
     """Drifts of one field (nested dicts and lists walked element by element)."""
     if isinstance(reference, dict) and isinstance(fresh, dict):
         out = []
         for key in sorted(set(reference) | set(fresh)):
             name = f"{field}.{key}" if field else key
-            out += compare_values(name, fresh.get(key, _MISSING), reference.get(key, _MISSING), record, strict=strict)
+            out += compare_values(
+                name, fresh.get(key, _MISSING), reference.get(key, _MISSING), record, strict=strict
+            )
         return out
     rule = rule_for(field, reference if reference is not _MISSING else fresh, strict=strict)
     if rule.kind == "ignore":
@@ -93,7 +99,9 @@ def compare_values(field: str, fresh: Any, reference: Any, record: str = "", *, 
         for i, (f, r) in enumerate(zip(fresh, reference)):
             out += compare_values(f"{field}[{i}]", f, r, record, strict=strict)
         return out
-    return [] if _within(rule, fresh, reference) else [Drift(record, field, fresh, reference, rule.describe())]
+    return (
+        [] if _within(rule, fresh, reference) else [Drift(record, field, fresh, reference, rule.describe())]
+    )
 
 
 def _within(rule: Rule, fresh: Any, reference: Any) -> bool:
@@ -108,8 +116,9 @@ def _within(rule: Rule, fresh: Any, reference: Any) -> bool:
     return abs(fresh - reference) <= rule.rel * max(abs(reference), 1e-300)
 
 
-def compare_runs(fresh_dir: Path, reference_dir: Path = REFERENCE_DIR, *, require_all: bool = True,
-                 strict: bool = False) -> list[Drift]:
+def compare_runs(
+    fresh_dir: Path, reference_dir: Path = REFERENCE_DIR, *, require_all: bool = True, strict: bool = False
+) -> list[Drift]:
     """Every drift between the records of two run folders.
 
     A record present in only one of them is a drift too; with require_all=False a reference
@@ -118,9 +127,15 @@ def compare_runs(fresh_dir: Path, reference_dir: Path = REFERENCE_DIR, *, requir
     """
     fresh = {p.name: p for p in results.record_paths(Path(fresh_dir))}
     reference = {p.name: p for p in results.record_paths(Path(reference_dir))}
-    drifts = [Drift(name, "(record)", "present", "absent", "the same set of records") for name in sorted(set(fresh) - set(reference))]
+    drifts = [
+        Drift(name, "(record)", "present", "absent", "the same set of records")
+        for name in sorted(set(fresh) - set(reference))
+    ]
     if require_all:
-        drifts += [Drift(name, "(record)", "absent", "present", "the same set of records") for name in sorted(set(reference) - set(fresh))]
+        drifts += [
+            Drift(name, "(record)", "absent", "present", "the same set of records")
+            for name in sorted(set(reference) - set(fresh))
+        ]
     for name in sorted(set(fresh) & set(reference)):
         a = json.loads(fresh[name].read_text(encoding="utf-8"))
         b = json.loads(reference[name].read_text(encoding="utf-8"))

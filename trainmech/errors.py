@@ -10,6 +10,8 @@ import sys
 
 from trainmech.display import ShortTraceback
 
+__all__ = ["TrainmechError", "OneLineParser"]
+
 
 class TrainmechError(ShortTraceback, ValueError):
     """Bad input to trainmech: a wrong mode, label, profile, record or workload."""

@@ -30,6 +30,31 @@ from trainmech import parameters, results
 from trainmech.errors import TrainmechError
 from trainmech.results import REPO_ROOT, RESULTS_ENV
 
+__all__ = [
+    "STOP_GRACE",
+    "POLL",
+    "GiB",
+    "DEFAULT_KERNEL_BYTES",
+    "MEMORY_SHARE",
+    "Interrupted",
+    "NotebookResult",
+    "Job",
+    "first_error",
+    "notebook_client",
+    "execute_notebook",
+    "kernel_env",
+    "merge_streams",
+    "Signals",
+    "Progress",
+    "execute_all",
+    "task_key",
+    "peak_rss_sum",
+    "longest_first",
+    "usable_cores",
+    "available_memory",
+    "choose_jobs",
+]
+
 if TYPE_CHECKING:
     import nbformat  # imported where used: it takes seconds
 
@@ -153,7 +178,10 @@ def execute_notebook(job: Job) -> tuple[str, dict | None]:
         status, error = "failed", _error(e, job.cell)
     if job.timed_out:
         limit = f"{job.timeout:g} s"
-        status, error = "timeout", {"ename": "Timeout", "evalue": f"the notebook ran past its limit of {limit}", "cell": job.cell}
+        status, error = (
+            "timeout",
+            {"ename": "Timeout", "evalue": f"the notebook ran past its limit of {limit}", "cell": job.cell},
+        )
     if not job.stopped:
         try:
             nbformat.write(merge_streams(nb), job.out_path)
@@ -165,7 +193,10 @@ def execute_notebook(job: Job) -> tuple[str, dict | None]:
 def kernel_env(records_dir: Path) -> dict[str, str]:
     """The environment of a kernel the runner starts: its records go to records_dir (RESULTS_ENV), and it
     imports this checkout's trainmech (REPO_ROOT first on PYTHONPATH), whether or not a venv installed it."""
-    paths = [str(REPO_ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT))]
+    paths = [
+        str(REPO_ROOT),
+        *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)),
+    ]
     return {**os.environ, RESULTS_ENV: str(records_dir), "PYTHONPATH": os.pathsep.join(paths)}
 
 
@@ -175,8 +206,12 @@ def merge_streams(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     for cell in nb.cells:
         merged = []
         for out in cell.get("outputs", []):
-            if merged and out.get("output_type") == "stream" and merged[-1].get("output_type") == "stream" \
-                    and merged[-1].get("name") == out.get("name"):
+            if (
+                merged
+                and out.get("output_type") == "stream"
+                and merged[-1].get("output_type") == "stream"
+                and merged[-1].get("name") == out.get("name")
+            ):
                 merged[-1]["text"] += out["text"]
             else:
                 merged.append(out)
@@ -272,8 +307,11 @@ class Progress:
         self.write(f"{line}  [{self.done}/{self.total}]")
 
     def status(self, running: list[Job], now: float) -> str:
-        parts = [f"{j.stem.split('_')[0]} cell {j.cell if j.cell is not None else '-'}/{j.cells or '?'} "
-                 f"{now - j.started:.0f}s" for j in running]
+        parts = [
+            f"{j.stem.split('_')[0]} cell {j.cell if j.cell is not None else '-'}/{j.cells or '?'} "
+            f"{now - j.started:.0f}s"
+            for j in running
+        ]
         return f"[{self.done}/{self.total} done] running: " + " · ".join(parts)
 
     def tick(self, running: list[Job]) -> None:
@@ -307,7 +345,9 @@ def execute_all(jobs: list[Job], n_jobs: int, progress: Progress, label: str) ->
             while pending and len(running) < n_jobs:
                 job = pending.pop(0)
                 job.started = time.monotonic()
-                job.thread = threading.Thread(target=work, args=(job,), name=f"trainmech-{job.stem}", daemon=True)
+                job.thread = threading.Thread(
+                    target=work, args=(job,), name=f"trainmech-{job.stem}", daemon=True
+                )
                 running.append(job)
                 progress.started(job)
                 job.thread.start()
@@ -362,7 +402,9 @@ def peak_rss_sum(jobs: list[Job]) -> int | None:
     sum of the peak RSS of the kernels running then (an upper bound); None when none was measured."""
     if not any(j.peak_rss for j in jobs):
         return None
-    events = sorted([(j.started, 1, j.peak_rss or 0) for j in jobs] + [(j.ended, 0, -(j.peak_rss or 0)) for j in jobs])
+    events = sorted(
+        [(j.started, 1, j.peak_rss or 0) for j in jobs] + [(j.ended, 0, -(j.peak_rss or 0)) for j in jobs]
+    )
     total = best = 0
     for _, _, change in events:  # at equal times an end (0) comes before a start (1)
         total += change
@@ -396,24 +438,35 @@ def available_memory() -> int | None:
         return None
 
 
-def choose_jobs(requested: int | None, n_notebooks: int, device: str, previous: dict | None) -> tuple[int, str | None]:
+def choose_jobs(
+    requested: int | None, n_notebooks: int, device: str, previous: dict | None
+) -> tuple[int, str | None]:
     """(kernels at once, a note when memory lowered the number). Default: the usable cores (1 on CUDA:
     one GPU, and its memory peaks and step times are the evidence). Then lowered so that the kernels
     fit in MEMORY_SHARE of the available memory, each counted at the largest peak RSS of the label's
     previous run (DEFAULT_KERNEL_BYTES before any run measured one)."""
-    if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 1):
+    if requested is not None and (
+        isinstance(requested, bool) or not isinstance(requested, int) or requested < 1
+    ):
         raise TrainmechError(f"--jobs must be a positive integer, got {requested!r}")
     if device == "cuda" and requested not in (None, 1):
-        raise TrainmechError("--jobs above 1 would run notebooks side by side on one GPU and distort the memory "
-                             "peaks and step times they measure; use --jobs 1 in TRAIN-CUDA-MECHANISM mode")
+        raise TrainmechError(
+            "--jobs above 1 would run notebooks side by side on one GPU and distort the memory "
+            "peaks and step times they measure; use --jobs 1 in TRAIN-CUDA-MECHANISM mode"
+        )
     wanted = min(requested or (1 if device == "cuda" else usable_cores()), max(n_notebooks, 1))
     peaks = [n.get("peak_rss_bytes") for n in (previous or {}).get("notebooks", []) if isinstance(n, dict)]
-    per_kernel = max((p for p in peaks if isinstance(p, int) and not isinstance(p, bool) and p > 0), default=DEFAULT_KERNEL_BYTES)
+    per_kernel = max(
+        (p for p in peaks if isinstance(p, int) and not isinstance(p, bool) and p > 0),
+        default=DEFAULT_KERNEL_BYTES,
+    )
     free = available_memory()
     if free is None or wanted == 1:
         return wanted, None
     fits = max(1, int(free * MEMORY_SHARE // per_kernel))
     if fits >= wanted:
         return wanted, None
-    return fits, (f"{wanted} kernels at once lowered to {fits}: {free / GiB:.1f} GiB of memory is available and a kernel "
-                  f"may take {per_kernel / GiB:.1f} GiB")
+    return fits, (
+        f"{wanted} kernels at once lowered to {fits}: {free / GiB:.1f} GiB of memory is available and a kernel "
+        f"may take {per_kernel / GiB:.1f} GiB"
+    )

@@ -21,18 +21,39 @@ from pathlib import Path
 import matplotlib
 from matplotlib import font_manager
 
+__all__ = ["CJK_FAMILIES", "find_cjk_family", "configure", "cjk_family", "has_cjk", "label"]
+
 # Simplified-Chinese faces first; the JP/KR/TC faces of a Noto or Source Han collection hold the same
 # ideographs (matplotlib reads a .ttc collection's first face, which for Noto CJK is JP).
 CJK_FAMILIES = (
-    "Noto Sans CJK SC", "Source Han Sans SC", "Source Han Sans CN", "Noto Sans SC",
-    "WenQuanYi Micro Hei", "WenQuanYi Zen Hei", "PingFang SC", "Hiragino Sans GB", "Heiti SC",
-    "STHeiti", "Microsoft YaHei", "SimHei", "Noto Sans CJK JP", "Noto Sans CJK TC", "Noto Sans CJK KR",
-    "Source Han Sans", "Noto Serif CJK SC", "Noto Serif CJK JP", "Droid Sans Fallback",
-    "AR PL UMing CN", "AR PL UKai CN",
+    "Noto Sans CJK SC",
+    "Source Han Sans SC",
+    "Source Han Sans CN",
+    "Noto Sans SC",
+    "WenQuanYi Micro Hei",
+    "WenQuanYi Zen Hei",
+    "PingFang SC",
+    "Hiragino Sans GB",
+    "Heiti SC",
+    "STHeiti",
+    "Microsoft YaHei",
+    "SimHei",
+    "Noto Sans CJK JP",
+    "Noto Sans CJK TC",
+    "Noto Sans CJK KR",
+    "Source Han Sans",
+    "Noto Serif CJK SC",
+    "Noto Serif CJK JP",
+    "Droid Sans Fallback",
+    "AR PL UMing CN",
+    "AR PL UKai CN",
 )
 # File names of the fonts above, to find one installed after matplotlib cached its font list.
-_CJK_FILE = re.compile(r"cjk|wqy|sourcehan|source-han|notosanssc|droidsansfallback|uming|ukai|pingfang|"
-                       r"hiragino|stheiti|msyh|simhei", re.IGNORECASE)
+_CJK_FILE = re.compile(
+    r"cjk|wqy|sourcehan|source-han|notosanssc|droidsansfallback|uming|ukai|pingfang|"
+    r"hiragino|stheiti|msyh|simhei",
+    re.IGNORECASE,
+)
 _CJK_CHAR = re.compile(r"[\u2e80-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
 
 _configured: str | None = None  # the CJK family in use, set by configure()

@@ -37,6 +37,43 @@ from trainmech.candidates import Candidate, GateWorkload
 from trainmech.checks import num
 from trainmech.tracing import Performance, Trace, remeasure, run_trace
 
+__all__ = [
+    "GATES",
+    "GRAD_RTOL",
+    "GRAD_FLOOR",
+    "QUALITY_FRACTION",
+    "NOISE_MULTIPLE",
+    "SEED_SEPARATION",
+    "EVIDENCE_LEVEL",
+    "OUTCOMES",
+    "RECORD_DECISION",
+    "gradient_errors",
+    "compared_windows",
+    "worst_error",
+    "movement",
+    "NoiseFloor",
+    "noise_floor",
+    "Tolerances",
+    "tolerances",
+    "Reference",
+    "make_reference",
+    "Verdict",
+    "inputs_gate",
+    "gradients_gate",
+    "updates_gate",
+    "quality_gate",
+    "DecisionRule",
+    "RULE",
+    "decide_measured",
+    "decide",
+    "Report",
+    "performance_verdict",
+    "judge",
+    "bitwise_equal",
+    "planted_record_fields",
+    "strategy_table",
+]
+
 GATES = ("inputs", "gradients", "updates", "quality", "performance")
 
 # Gate 2: largest |g_candidate - g_reference| of a parameter, relative to that parameter's largest
@@ -52,7 +89,12 @@ NOISE_MULTIPLE = 10  # a tolerance stands at least this far above the reference'
 SEED_SEPARATION = 3  # … and this far below what another RNG seed changes, or an RNG bug would pass
 EVIDENCE_LEVEL = {"cpu": "cpu-mechanism", "cuda": "gpu-measured"}
 OUTCOMES = ("accept", "tune", "no-gain", "reject")
-RECORD_DECISION = {"accept": "accept", "tune": "tune", "no-gain": "reject", "reject": "reject"}  # the record's field
+RECORD_DECISION = {
+    "accept": "accept",
+    "tune": "tune",
+    "no-gain": "reject",
+    "reject": "reject",
+}  # the record's field
 
 
 # ----------------------------------------------------------------------------- the reference and its noise
@@ -84,7 +126,9 @@ def compared_windows(ref: Trace, cand: Trace) -> list[int]:
 def worst_error(ref: Trace, cand: Trace, windows: list[int] | None = None) -> float:
     """The largest per-parameter gradient error over the compared windows (inf where a window is missing)."""
     windows = compared_windows(ref, cand) if windows is None else windows
-    return max((max(gradient_errors(ref.grads[k], cand.grads[k]).values()) for k in windows), default=float("inf"))
+    return max(
+        (max(gradient_errors(ref.grads[k], cand.grads[k]).values()) for k in windows), default=float("inf")
+    )
 
 
 def movement(trace: Trace) -> float:
@@ -107,8 +151,12 @@ def noise_floor(reference: Candidate, gw: GateWorkload, ref_trace: Trace) -> Noi
     run-to-run noise; 0 on a CPU) and with the next seed (dropout draws other masks: the effect an RNG bug has)."""
     again = run_trace(reference, gw, teacher=ref_trace)
     other = run_trace(reference, gw, seed=gw.seed + 1, teacher=ref_trace)
-    return NoiseFloor(worst_error(ref_trace, again), worst_error(ref_trace, other, [0]),
-                      abs(again.held_out_loss - ref_trace.held_out_loss), abs(other.held_out_loss - ref_trace.held_out_loss))
+    return NoiseFloor(
+        worst_error(ref_trace, again),
+        worst_error(ref_trace, other, [0]),
+        abs(again.held_out_loss - ref_trace.held_out_loss),
+        abs(other.held_out_loss - ref_trace.held_out_loss),
+    )
 
 
 @dataclass(frozen=True)
@@ -123,7 +171,10 @@ def tolerances(dtype: str, ref: Trace, floor: NoiseFloor | None = None) -> Toler
     """Gate 2's and gate 4's tolerances for a dtype: from the dtype, raised to NOISE_MULTIPLE x the reference's
     run-to-run noise where that is larger (a GPU's atomics); quality as a fraction of the training movement."""
     grad, grad_from = GRAD_RTOL[dtype], f"{dtype} rounding"
-    quality, quality_from = QUALITY_FRACTION[dtype] * movement(ref), f"{QUALITY_FRACTION[dtype]:g} x the training movement"
+    quality, quality_from = (
+        QUALITY_FRACTION[dtype] * movement(ref),
+        f"{QUALITY_FRACTION[dtype]:g} x the training movement",
+    )
     if floor is not None and NOISE_MULTIPLE * floor.grad_self > grad:
         grad, grad_from = NOISE_MULTIPLE * floor.grad_self, f"{NOISE_MULTIPLE} x run-to-run noise"
     if floor is not None and NOISE_MULTIPLE * floor.quality_self > quality:
@@ -138,13 +189,17 @@ class Reference:
     candidate: Candidate
     trace: Trace
     floor: NoiseFloor | None = None
-    peaks: dict = field(default_factory=dict)  # its peaks on a workload, measured once for every candidate (tracing.remeasure)
+    peaks: dict = field(
+        default_factory=dict
+    )  # its peaks on a workload, measured once for every candidate (tracing.remeasure)
 
     def tolerances(self, dtype: str) -> Tolerances:
         return tolerances(dtype, self.trace, self.floor)
 
 
-def make_reference(gw: GateWorkload, candidate: Candidate | None = None, *, calibrate: bool = True) -> Reference:
+def make_reference(
+    gw: GateWorkload, candidate: Candidate | None = None, *, calibrate: bool = True
+) -> Reference:
     """The FP32 baseline (no strategy) through the gate workload, and its noise floor (two more runs)."""
     candidate = candidate or Candidate("fp32-baseline", "TRAIN-AMP-BACKWARD")
     trace = run_trace(candidate, gw, keep_weights=True)
@@ -177,11 +232,17 @@ def _stopped(trace: Trace) -> tuple[int, str] | None:
     return int(attempt), stage
 
 
-def inputs_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None) -> Verdict:
+def inputs_gate(
+    ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
+) -> Verdict:
     """Gate 1: the same windows handed out, the same multiset of sequences consumed per window, the same RNG states."""
     n = len(cand.consumed)
-    evidence = {"attempts": n, "sequences_consumed": sum(map(len, cand.consumed)),
-                "sequences_expected": sum(map(len, ref.consumed[:n])), "tokens_consumed": cand.tokens}
+    evidence = {
+        "attempts": n,
+        "sequences_consumed": sum(map(len, cand.consumed)),
+        "sequences_expected": sum(map(len, ref.consumed[:n])),
+        "tokens_consumed": cand.tokens,
+    }
     if cand.handed != ref.handed[:n]:
         return Verdict("inputs", False, evidence, "the windows handed out differ from the reference's")
     stopped = _stopped(cand)
@@ -196,17 +257,35 @@ def inputs_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: To
     if differ is not None:
         evidence["first_difference"] = differ
         got, want = len(cand.consumed[differ]), len(ref.consumed[differ])
-        return Verdict("inputs", False, evidence, f"attempt {differ}: the model received {got} of the reference's {want} "
-                                                  f"sequences, or other ones")
+        return Verdict(
+            "inputs",
+            False,
+            evidence,
+            f"attempt {differ}: the model received {got} of the reference's {want} sequences, or other ones",
+        )
     if cand.rng != ref.rng[:n]:
-        return Verdict("inputs", False, evidence, "the RNG state at a window's start differs from the reference's")
+        return Verdict(
+            "inputs", False, evidence, "the RNG state at a window's start differs from the reference's"
+        )
     if stopped:  # gate 2 or 3 judges the exception itself
-        return Verdict("inputs", True, evidence, f"identical as far as the run went ({evidence['sequences_consumed']} "
-                                                 f"sequences; it stopped at attempt {stopped[0]}, {stopped[1]})")
-    return Verdict("inputs", True, evidence, f"{n} windows, {evidence['sequences_consumed']} sequences as multisets, RNG states equal")
+        return Verdict(
+            "inputs",
+            True,
+            evidence,
+            f"identical as far as the run went ({evidence['sequences_consumed']} "
+            f"sequences; it stopped at attempt {stopped[0]}, {stopped[1]})",
+        )
+    return Verdict(
+        "inputs",
+        True,
+        evidence,
+        f"{n} windows, {evidence['sequences_consumed']} sequences as multisets, RNG states equal",
+    )
 
 
-def gradients_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None) -> Verdict:
+def gradients_gate(
+    ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
+) -> Verdict:
     """Gate 2: the dtype that ran is the claimed one; in every compared window every parameter's gradient
     within its tolerance."""
     tol = tol or tolerances(claimed_dtype, ref)
@@ -214,74 +293,148 @@ def gradients_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol:
     if not cand.grads:
         return Verdict("gradients", False, {"error": cand.error}, f"no gradients: {cand.error}")
     ran = cand.dtypes
-    evidence = {"claimed_dtype": claimed_dtype, "ran": "/".join(ran), "rtol": tol.grad_rtol, "rtol_from": tol.grad_from}
+    evidence = {
+        "claimed_dtype": claimed_dtype,
+        "ran": "/".join(ran),
+        "rtol": tol.grad_rtol,
+        "rtol_from": tol.grad_from,
+    }
     if ran != [claimed_dtype]:
-        return Verdict("gradients", False, evidence, f"claims {claimed_dtype}, but the Linear layers ran {'/'.join(ran) or 'nothing'}")
+        return Verdict(
+            "gradients",
+            False,
+            evidence,
+            f"claims {claimed_dtype}, but the Linear layers ran {'/'.join(ran) or 'nothing'}",
+        )
     windows = compared_windows(ref, cand)
     per_window = {k: gradient_errors(ref.grads[k], cand.grads[k]) for k in windows}
     bound = lambda k: tol.grad_rtol  # noqa: E731
     first = per_window.get(0, {})
-    everywhere = {n: max(e[n] for e in per_window.values()) for n in ref.grads[0]}  # each parameter's worst window
+    everywhere = {
+        n: max(e[n] for e in per_window.values()) for n in ref.grads[0]
+    }  # each parameter's worst window
     worst = sorted(everywhere, key=lambda n: (-everywhere[n], n))[:3]
-    bad_windows = [k for k, e in per_window.items() if not all(v <= bound(k) for v in e.values())]  # NaN and inf fail
-    evidence |= {"errors": first, "errors_all_windows": everywhere,
-                 "worst": {n: everywhere[n] for n in worst}, "windows_compared": len(windows),
-                 "window_worst": [max(per_window[k].values()) for k in windows], "first_bad_window": bad_windows[0] if bad_windows else None,
-                 "parameters": len(everywhere),
-                 "loss_abs_error": max(abs(cand.losses[k] - ref.losses[k]) for k in windows),
-                 "grad_max_abs_error": max(float((cand.grads[k][n] - g).abs().max()) for k in windows
-                                           for n, g in ref.grads[k].items() if n in cand.grads[k])}
+    bad_windows = [
+        k for k, e in per_window.items() if not all(v <= bound(k) for v in e.values())
+    ]  # NaN and inf fail
+    evidence |= {
+        "errors": first,
+        "errors_all_windows": everywhere,
+        "worst": {n: everywhere[n] for n in worst},
+        "windows_compared": len(windows),
+        "window_worst": [max(per_window[k].values()) for k in windows],
+        "first_bad_window": bad_windows[0] if bad_windows else None,
+        "parameters": len(everywhere),
+        "loss_abs_error": max(abs(cand.losses[k] - ref.losses[k]) for k in windows),
+        "grad_max_abs_error": max(
+            float((cand.grads[k][n] - g).abs().max())
+            for k in windows
+            for n, g in ref.grads[k].items()
+            if n in cand.grads[k]
+        ),
+    }
     if stopped and stopped[1] == "backward":
-        return Verdict("gradients", False, evidence, f"no gradients from attempt {stopped[0]} on: {cand.error}")
+        return Verdict(
+            "gradients", False, evidence, f"no gradients from attempt {stopped[0]} on: {cand.error}"
+        )
     if bad_windows:
         k = bad_windows[0]
         name = max(per_window[k], key=lambda n: (per_window[k][n], n))
         over = sum(not v <= bound(k) for v in per_window[k].values())
-        return Verdict("gradients", False, evidence, f"window {k}: {over} of {len(everywhere)} parameters over {bound(k):.0e}; "
-                                                     f"worst {name} at {per_window[k][name]:.1e}")
-    return Verdict("gradients", True, evidence, f"{len(windows)} windows, all {len(everywhere)} parameters within "
-                                                f"{tol.grad_rtol:.0e} ({claimed_dtype})")
+        return Verdict(
+            "gradients",
+            False,
+            evidence,
+            f"window {k}: {over} of {len(everywhere)} parameters over {bound(k):.0e}; "
+            f"worst {name} at {per_window[k][name]:.1e}",
+        )
+    return Verdict(
+        "gradients",
+        True,
+        evidence,
+        f"{len(windows)} windows, all {len(everywhere)} parameters within "
+        f"{tol.grad_rtol:.0e} ({claimed_dtype})",
+    )
 
 
-def updates_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None,
-                 expected_lrs: list[float] | None = None) -> Verdict:
+def updates_gate(
+    ref: Trace,
+    cand: Trace,
+    claimed_dtype: str = "float32",
+    tol: Tolerances | None = None,
+    expected_lrs: list[float] | None = None,
+) -> Verdict:
     """Gate 3: effective updates as many as the reference's, nothing non-finite written, and the
     optimizer, the scheduler and the learning rates following the update clock."""
     effective = sum(s and f for s, f in zip(cand.stepped, cand.finite))
     want = sum(s and f for s, f in zip(ref.stepped, ref.finite))
     lrs = expected_lrs if expected_lrs is not None else ref.lrs
-    evidence = {"attempts": len(cand.stepped), "effective_updates": effective, "expected_effective_updates": want,
-                "skipped_updates": len(cand.stepped) - effective, "non_finite_written": not all(cand.finite),
-                "optimizer_steps": cand.optimizer_steps, "scheduler_steps": cand.scheduler_steps,
-                "loss_scale_halvings": cand.scale_halvings}
+    evidence = {
+        "attempts": len(cand.stepped),
+        "effective_updates": effective,
+        "expected_effective_updates": want,
+        "skipped_updates": len(cand.stepped) - effective,
+        "non_finite_written": not all(cand.finite),
+        "optimizer_steps": cand.optimizer_steps,
+        "scheduler_steps": cand.scheduler_steps,
+        "loss_scale_halvings": cand.scale_halvings,
+    }
     mismatch = next((k for k, (a, b) in enumerate(zip(cand.lrs, lrs)) if a != b), None)
     evidence["first_lr_mismatch"] = mismatch
-    off_clock = "" if mismatch is None else f"effective update {mismatch} ran at lr {cand.lrs[mismatch]:.3e}, the clock says {lrs[mismatch]:.3e}"
+    off_clock = (
+        ""
+        if mismatch is None
+        else f"effective update {mismatch} ran at lr {cand.lrs[mismatch]:.3e}, the clock says {lrs[mismatch]:.3e}"
+    )
     checks = [  # the first that holds is the verdict's message
         (cand.error is not None, f"the run stopped: {cand.error}"),
         (evidence["non_finite_written"], "a non-finite value was written into the parameters"),
         (effective != want, f"{effective} effective updates, the reference made {want}"),
-        (cand.optimizer_steps != effective, f"the optimizer counted {cand.optimizer_steps} steps for {effective} effective updates"),
-        (cand.scheduler_steps != effective, f"the scheduler moved {cand.scheduler_steps} times for {effective} effective updates"),
+        (
+            cand.optimizer_steps != effective,
+            f"the optimizer counted {cand.optimizer_steps} steps for {effective} effective updates",
+        ),
+        (
+            cand.scheduler_steps != effective,
+            f"the scheduler moved {cand.scheduler_steps} times for {effective} effective updates",
+        ),
         (mismatch is not None, off_clock),
     ]
     problem = next((message for failed, message in checks if failed), None)
     if problem:
         return Verdict("updates", False, evidence, problem)
     skipped = evidence["skipped_updates"]
-    return Verdict("updates", True, evidence, f"{effective} effective + {skipped} skipped; optimizer, scheduler and lr follow the clock")
+    return Verdict(
+        "updates",
+        True,
+        evidence,
+        f"{effective} effective + {skipped} skipped; optimizer, scheduler and lr follow the clock",
+    )
 
 
-def quality_gate(ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None) -> Verdict:
+def quality_gate(
+    ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
+) -> Verdict:
     """Gate 4: held-out token loss after the same effective updates within the bound (a fraction of the
     reference's training movement)."""
     tol = tol or tolerances(claimed_dtype, ref)
     delta = abs(cand.held_out_loss - ref.held_out_loss)
-    evidence = {"held_out_loss": cand.held_out_loss, "reference_held_out_loss": ref.held_out_loss, "delta": delta,
-                "bound": tol.quality_bound, "bound_from": tol.quality_from, "movement": movement(ref)}
+    evidence = {
+        "held_out_loss": cand.held_out_loss,
+        "reference_held_out_loss": ref.held_out_loss,
+        "delta": delta,
+        "bound": tol.quality_bound,
+        "bound_from": tol.quality_from,
+        "movement": movement(ref),
+    }
     passed = delta <= tol.quality_bound
-    return Verdict("quality", passed, evidence, f"held-out loss {num(cand.held_out_loss)} vs {num(ref.held_out_loss)}: "
-                   f"|Δ| {'≤' if passed else '>'} {num(tol.quality_bound, 2)} nats ({tol.quality_from})")
+    return Verdict(
+        "quality",
+        passed,
+        evidence,
+        f"held-out loss {num(cand.held_out_loss)} vs {num(ref.held_out_loss)}: "
+        f"|Δ| {'≤' if passed else '>'} {num(tol.quality_bound, 2)} nats ({tol.quality_from})",
+    )
 
 
 # ----------------------------------------------------------------------------- the decision
@@ -307,7 +460,9 @@ class DecisionRule:
 RULE = DecisionRule()
 
 
-def decide_measured(update_drop: float, capacity_gain: float, time_ratio: float, rule: DecisionRule = RULE) -> str:
+def decide_measured(
+    update_drop: float, capacity_gain: float, time_ratio: float, rule: DecisionRule = RULE
+) -> str:
     """accept / tune / no-gain from GPU measurements of a correct candidate.
 
     update_drop = 1 - the reserved peak of a whole steady update / the reference's: what decides whether
@@ -324,16 +479,22 @@ def decide_measured(update_drop: float, capacity_gain: float, time_ratio: float,
     return "tune" if memory or faster else "no-gain"
 
 
-def decide(verdicts: list[Verdict], perf: Performance | None, reference: Performance | None,
-           rule: DecisionRule = RULE) -> tuple[str | None, str]:
+def decide(
+    verdicts: list[Verdict],
+    perf: Performance | None,
+    reference: Performance | None,
+    rule: DecisionRule = RULE,
+) -> tuple[str | None, str]:
     """(outcome, reason). A failed gate rejects on any device: the candidate is wrong. Otherwise accept /
     tune / no-gain by `decide_measured`, which needs reserved peaks and step times from a GPU: without them, None."""
     failed = next((v for v in verdicts if v.failed), None)
     if failed is not None:
         return "reject", f"{failed.name} gate failed: {failed.message}"
     if perf is None or reference is None or not (perf.on_gpu and reference.on_gpu):
-        return None, ("no gate failed; accept, tune or no-gain needs reserved peaks and step times measured on a GPU "
-                      "(TRAIN-CUDA-MECHANISM), and this run has none")
+        return None, (
+            "no gate failed; accept, tune or no-gain needs reserved peaks and step times measured on a GPU "
+            "(TRAIN-CUDA-MECHANISM), and this run has none"
+        )
     update = 1 - perf.peak_reserved_bytes / reference.peak_reserved_bytes
     capacity = 1 - perf.bytes_per_row / reference.bytes_per_row
     ratio = perf.step_time_median_s / reference.step_time_median_s
@@ -341,7 +502,8 @@ def decide(verdicts: list[Verdict], perf: Performance | None, reference: Perform
     return decide_measured(update, capacity, ratio, rule), (
         f"reserved peak {-update:+.1%} (allocated {allocated:+.1%}), bytes per sequence {-capacity:+.1%}, median x{ratio:.2f}; "
         f"accept: either {-rule.min_peak_drop:+.0%} or lower at ≤ x{rule.max_time_ratio:g}, or median ≤ x{1 - rule.min_speedup:g} "
-        f"at no higher peak; no-gain: neither")
+        f"at no higher peak; no-gain: neither"
+    )
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -394,55 +556,126 @@ class Report:
 
     def record_fields(self, next_step: str | None = None) -> dict:
         """correctness / resources / conclusion / metrics for `Session.record` (the gates' evidence, the measurement)."""
-        g, u, q = (self.verdict(n).evidence if self.verdict(n) else {} for n in ("gradients", "updates", "quality"))
+        g, u, q = (
+            self.verdict(n).evidence if self.verdict(n) else {} for n in ("gradients", "updates", "quality")
+        )
         p = self.performance
-        resources = {} if p is None else {k: getattr(p, k) for k in ("peak_allocated_bytes", "peak_reserved_bytes",
-                                                                        "step_time_median_s", "step_time_p95_s")}
-        metrics = {"gates": {v.name: v.passed for v in self.verdicts}, "outcome": self.outcome, "decision_reason": self.reason,
-                   "grad_rtol": self.tolerances.grad_rtol, "grad_rtol_from": self.tolerances.grad_from,
-                   "quality_bound": self.tolerances.quality_bound, "quality_bound_from": self.tolerances.quality_from,
-                   "loss_scale_halvings": self.trace.scale_halvings}
+        resources = (
+            {}
+            if p is None
+            else {
+                k: getattr(p, k)
+                for k in (
+                    "peak_allocated_bytes",
+                    "peak_reserved_bytes",
+                    "step_time_median_s",
+                    "step_time_p95_s",
+                )
+            }
+        )
+        metrics = {
+            "gates": {v.name: v.passed for v in self.verdicts},
+            "outcome": self.outcome,
+            "decision_reason": self.reason,
+            "grad_rtol": self.tolerances.grad_rtol,
+            "grad_rtol_from": self.tolerances.grad_from,
+            "quality_bound": self.tolerances.quality_bound,
+            "quality_bound_from": self.tolerances.quality_from,
+            "loss_scale_halvings": self.trace.scale_halvings,
+        }
         if g.get("worst"):
-            metrics |= {"worst_parameter": next(iter(g["worst"])), "worst_parameter_rel_error": max(g["worst"].values()),
-                        "windows_compared": g["windows_compared"]}
+            metrics |= {
+                "worst_parameter": next(iter(g["worst"])),
+                "worst_parameter_rel_error": max(g["worst"].values()),
+                "windows_compared": g["windows_compared"],
+            }
         if q:
-            metrics |= {"held_out_loss": q["held_out_loss"], "reference_held_out_loss": q["reference_held_out_loss"]}
+            metrics |= {
+                "held_out_loss": q["held_out_loss"],
+                "reference_held_out_loss": q["reference_held_out_loss"],
+            }
         if p is not None:
             ref = self.reference_performance
-            metrics |= {k: getattr(p, k) for k in ("forward_backward_allocated_bytes", "forward_backward_reserved_bytes", "bytes_per_row",
-                                                   "cuda_context_bytes", "exposed_transfer_s", "transfer_s", "warmup", "repeats")}
-            metrics |= {"cpu_tracked_peak_bytes": None if p.on_gpu else p.tracked_peak_bytes,
-                        "cpu_tracked_forward_backward_bytes": None if p.on_gpu else p.tracked_forward_backward_bytes,
-                        "reference_step_time_median_s": ref.step_time_median_s, "reference_peak_reserved_bytes": ref.peak_reserved_bytes,
-                        "reference_bytes_per_row": ref.bytes_per_row,
-                        "reference_tracked_peak_bytes": ref.tracked_peak_bytes}
+            metrics |= {
+                k: getattr(p, k)
+                for k in (
+                    "forward_backward_allocated_bytes",
+                    "forward_backward_reserved_bytes",
+                    "bytes_per_row",
+                    "cuda_context_bytes",
+                    "exposed_transfer_s",
+                    "transfer_s",
+                    "warmup",
+                    "repeats",
+                )
+            }
+            metrics |= {
+                "cpu_tracked_peak_bytes": None if p.on_gpu else p.tracked_peak_bytes,
+                "cpu_tracked_forward_backward_bytes": None if p.on_gpu else p.tracked_forward_backward_bytes,
+                "reference_step_time_median_s": ref.step_time_median_s,
+                "reference_peak_reserved_bytes": ref.peak_reserved_bytes,
+                "reference_bytes_per_row": ref.bytes_per_row,
+                "reference_tracked_peak_bytes": ref.tracked_peak_bytes,
+            }
         return {
-            "correctness": {"output_max_abs_error": g.get("loss_abs_error"), "grad_max_abs_error": g.get("grad_max_abs_error"),
-                            "all_finite": None if not u else not u["non_finite_written"],
-                            "skipped_updates": u.get("skipped_updates"), "effective_updates": u.get("effective_updates")},
+            "correctness": {
+                "output_max_abs_error": g.get("loss_abs_error"),
+                "grad_max_abs_error": g.get("grad_max_abs_error"),
+                "all_finite": None if not u else not u["non_finite_written"],
+                "skipped_updates": u.get("skipped_updates"),
+                "effective_updates": u.get("effective_updates"),
+            },
             "resources": resources,
-            "conclusion": {"decision": self.decision, "evidence_level": self.evidence_level, "next_step": next_step,
-                           "failure": f"{self.failed_gate} gate failed" if self.failed_gate else None},
+            "conclusion": {
+                "decision": self.decision,
+                "evidence_level": self.evidence_level,
+                "next_step": next_step,
+                "failure": f"{self.failed_gate} gate failed" if self.failed_gate else None,
+            },
             "metrics": metrics,
         }
 
 
 def performance_verdict(perf: Performance, reference: Performance) -> Verdict:
     """Stage 5 measures; it is no gate (passed None): whether a measured gain is worth it is `decide`'s job."""
-    evidence = {k: getattr(perf, k) for k in ("step_time_median_s", "step_time_p95_s", "peak_allocated_bytes", "peak_reserved_bytes",
-                                              "forward_backward_reserved_bytes", "bytes_per_row", "tracked_peak_bytes", "warmup", "repeats")}
+    evidence = {
+        k: getattr(perf, k)
+        for k in (
+            "step_time_median_s",
+            "step_time_p95_s",
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "forward_backward_reserved_bytes",
+            "bytes_per_row",
+            "tracked_peak_bytes",
+            "warmup",
+            "repeats",
+        )
+    }
     if perf.on_gpu and reference.on_gpu:
-        message = (f"median x{perf.step_time_median_s / reference.step_time_median_s:.2f}, reserved peak "
-                   f"{perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1:+.1%}, bytes per sequence "
-                   f"{perf.bytes_per_row / reference.bytes_per_row - 1:+.1%} vs the reference")
+        message = (
+            f"median x{perf.step_time_median_s / reference.step_time_median_s:.2f}, reserved peak "
+            f"{perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1:+.1%}, bytes per sequence "
+            f"{perf.bytes_per_row / reference.bytes_per_row - 1:+.1%} vs the reference"
+        )
     else:
-        message = (f"measured on {perf.device_type}: CPU step times recorded, no GPU evidence; allocator peaks null; "
-                   f"tracked tensor bytes of one update {perf.tracked_peak_bytes:,}")
+        message = (
+            f"measured on {perf.device_type}: CPU step times recorded, no GPU evidence; allocator peaks null; "
+            f"tracked tensor bytes of one update {perf.tracked_peak_bytes:,}"
+        )
     return Verdict("performance", None, evidence, message)
 
 
-def judge(cand: Candidate, gw: GateWorkload, ref: Reference, *, warmup: int = 1, repeats: int = 3,
-          trace: Trace | None = None, measure: bool = True) -> Report:
+def judge(
+    cand: Candidate,
+    gw: GateWorkload,
+    ref: Reference,
+    *,
+    warmup: int = 1,
+    repeats: int = 3,
+    trace: Trace | None = None,
+    measure: bool = True,
+) -> Report:
     """Run the candidate (each window's gradients also from the reference's weights: `run_trace(teacher=…)`), apply
     gates 1-4 in order up to the first failure, measure performance (paired with the reference's, interleaved)
     only if all four passed (and `measure`: a check of the gates alone skips it), and decide."""
@@ -450,18 +683,39 @@ def judge(cand: Candidate, gw: GateWorkload, ref: Reference, *, warmup: int = 1,
     tol = ref.tolerances(cand.dtype)
     verdicts = []
     for gate in (inputs_gate, gradients_gate, updates_gate, quality_gate):
-        kwargs = {"expected_lrs": [gw.expected_lr(k) for k in range(len(trace.lrs))]} if gate is updates_gate else {}
+        kwargs = (
+            {"expected_lrs": [gw.expected_lr(k) for k in range(len(trace.lrs))]}
+            if gate is updates_gate
+            else {}
+        )
         verdicts.append(gate(ref.trace, trace, cand.dtype, tol, **kwargs))
         if not verdicts[-1].passed:
             break
     perf = ref_perf = None
     if measure and not any(v.failed for v in verdicts):
-        perf, ref_perf = remeasure(cand, ref.candidate, gw, warmup=warmup, repeats=repeats, init_scale=trace.loss_scale,
-                                   reference_peaks=ref.peaks)
+        perf, ref_perf = remeasure(
+            cand,
+            ref.candidate,
+            gw,
+            warmup=warmup,
+            repeats=repeats,
+            init_scale=trace.loss_scale,
+            reference_peaks=ref.peaks,
+        )
         verdicts.append(performance_verdict(perf, ref_perf))
     outcome, reason = decide(verdicts, perf, ref_perf)
     trace.grads = []  # kept only as long as gate 2 needs them (a GPU model's gradients are gigabytes per window)
-    return Report(cand, verdicts, perf, ref_perf, outcome, reason, EVIDENCE_LEVEL.get(gw.device.type, "not-measured"), trace, tol)
+    return Report(
+        cand,
+        verdicts,
+        perf,
+        ref_perf,
+        outcome,
+        reason,
+        EVIDENCE_LEVEL.get(gw.device.type, "not-measured"),
+        trace,
+        tol,
+    )
 
 
 def bitwise_equal(ref: Trace, cand: Trace) -> bool:
@@ -469,29 +723,47 @@ def bitwise_equal(ref: Trace, cand: Trace) -> bool:
     windows, which may be fewer): what a strategy that changes no arithmetic (recompute the same ops, fetch
     back the same bits) must give on a CPU."""
     n = len(cand.grads)
-    return (cand.error is None and 0 < n <= len(ref.grads) and cand.losses == ref.losses[:n]
-            and all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(cand.grads, ref.grads)))
+    return (
+        cand.error is None
+        and 0 < n <= len(ref.grads)
+        and cand.losses == ref.losses[:n]
+        and all(
+            a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            for a, b in zip(cand.grads, ref.grads)
+        )
+    )
 
 
-def planted_record_fields(reference: Reference, planted: dict[str, tuple[str, Report, Report]], next_step: str) -> dict:
+def planted_record_fields(
+    reference: Reference, planted: dict[str, tuple[str, Report, Report]], next_step: str
+) -> dict:
     """TRAIN-CORRECTNESS-GATE: every planted bug -> (the gate meant to stop it, the buggy candidate's report,
     the report of the same candidate without the bug), with the reference and its noise floor."""
     ref, floor = reference.trace, reference.floor
     effective = sum(s and f for s, f in zip(ref.stepped, ref.finite))
     return {
-        "correctness": {"all_finite": all(ref.finite), "skipped_updates": len(ref.stepped) - effective, "effective_updates": effective},
+        "correctness": {
+            "all_finite": all(ref.finite),
+            "skipped_updates": len(ref.stepped) - effective,
+            "effective_updates": effective,
+        },
         "conclusion": {"next_step": next_step},
-        "metrics": {"expected_gate": {bug: gate for bug, (gate, _, _) in planted.items()},
-                    "fired_gate": {bug: buggy.failed_gate for bug, (_, buggy, _) in planted.items()},
-                    "fixed_candidate": {bug: fixed.candidate.name for bug, (_, _, fixed) in planted.items()},
-                    "fixed_passes_all_gates": {fixed.candidate.name: fixed.failed_gate is None for _, _, fixed in planted.values()},
-                    "all_caught_as_expected": all(buggy.failed_gate == gate for gate, buggy, _ in planted.values()),
-                    "grad_rtol": dict(GRAD_RTOL), "quality_fraction": dict(QUALITY_FRACTION),
-                    "training_movement": movement(ref),
-                    "noise_grad_self": None if floor is None else floor.grad_self,
-                    "noise_grad_seed": None if floor is None else floor.grad_seed,
-                    "noise_quality_self": None if floor is None else floor.quality_self,
-                    "noise_quality_seed": None if floor is None else floor.quality_seed},
+        "metrics": {
+            "expected_gate": {bug: gate for bug, (gate, _, _) in planted.items()},
+            "fired_gate": {bug: buggy.failed_gate for bug, (_, buggy, _) in planted.items()},
+            "fixed_candidate": {bug: fixed.candidate.name for bug, (_, _, fixed) in planted.items()},
+            "fixed_passes_all_gates": {
+                fixed.candidate.name: fixed.failed_gate is None for _, _, fixed in planted.values()
+            },
+            "all_caught_as_expected": all(buggy.failed_gate == gate for gate, buggy, _ in planted.values()),
+            "grad_rtol": dict(GRAD_RTOL),
+            "quality_fraction": dict(QUALITY_FRACTION),
+            "training_movement": movement(ref),
+            "noise_grad_self": None if floor is None else floor.grad_self,
+            "noise_grad_seed": None if floor is None else floor.grad_seed,
+            "noise_quality_self": None if floor is None else floor.quality_self,
+            "noise_quality_seed": None if floor is None else floor.quality_seed,
+        },
     }
 
 
@@ -500,17 +772,21 @@ def strategy_table(reference: Performance, reports: dict[str, Report]) -> str:
     performance stage. CPU: tracked tensor bytes only, the GPU columns null."""
     cell = lambda v, fmt: "null" if v is None else format(v, fmt)  # noqa: E731
     gpu = reference.on_gpu
-    lines = [f"{'candidate':<20} {'Δ held-out':>10} {'tracked B':>11} {'vs ref':>7} {'B/sequence':>11} {'vs ref':>7} "
-             f"{'peak reserved':>14} {'peak allocated':>15} {'median x':>9} {'P95 s':>8}  outcome",
-             f"{'fp32-baseline':<20} {'0':>10} {reference.tracked_peak_bytes:>11,} {'':>7} {reference.bytes_per_row:>11,} {'':>7} "
-             f"{cell(reference.peak_reserved_bytes, ','):>14} {cell(reference.peak_allocated_bytes, ','):>15} "
-             f"{'1.00' if gpu else 'null':>9} {cell(reference.step_time_p95_s if gpu else None, '.4f'):>8}"]
+    lines = [
+        f"{'candidate':<20} {'Δ held-out':>10} {'tracked B':>11} {'vs ref':>7} {'B/sequence':>11} {'vs ref':>7} "
+        f"{'peak reserved':>14} {'peak allocated':>15} {'median x':>9} {'P95 s':>8}  outcome",
+        f"{'fp32-baseline':<20} {'0':>10} {reference.tracked_peak_bytes:>11,} {'':>7} {reference.bytes_per_row:>11,} {'':>7} "
+        f"{cell(reference.peak_reserved_bytes, ','):>14} {cell(reference.peak_allocated_bytes, ','):>15} "
+        f"{'1.00' if gpu else 'null':>9} {cell(reference.step_time_p95_s if gpu else None, '.4f'):>8}",
+    ]
     for name, r in reports.items():
         p, q = r.performance, r.verdict("quality").evidence
         ratio = p.step_time_median_s / r.reference_performance.step_time_median_s if gpu else None
-        lines.append(f"{name:<20} {'≤ bound' if q['delta'] <= q['bound'] else '> bound':>10} {p.tracked_peak_bytes:>11,} "
-                     f"{p.tracked_peak_bytes / reference.tracked_peak_bytes - 1:>+7.0%} {p.bytes_per_row:>11,} "
-                     f"{p.bytes_per_row / reference.bytes_per_row - 1:>+7.0%} {cell(p.peak_reserved_bytes, ','):>14} "
-                     f"{cell(p.peak_allocated_bytes, ','):>15} {cell(ratio, '.2f'):>9} "
-                     f"{cell(p.step_time_p95_s if gpu else None, '.4f'):>8}  {r.outcome or 'null'}")
+        lines.append(
+            f"{name:<20} {'≤ bound' if q['delta'] <= q['bound'] else '> bound':>10} {p.tracked_peak_bytes:>11,} "
+            f"{p.tracked_peak_bytes / reference.tracked_peak_bytes - 1:>+7.0%} {p.bytes_per_row:>11,} "
+            f"{p.bytes_per_row / reference.bytes_per_row - 1:>+7.0%} {cell(p.peak_reserved_bytes, ','):>14} "
+            f"{cell(p.peak_allocated_bytes, ','):>15} {cell(ratio, '.2f'):>9} "
+            f"{cell(p.step_time_p95_s if gpu else None, '.4f'):>8}  {r.outcome or 'null'}"
+        )
     return "\n".join(lines)

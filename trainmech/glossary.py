@@ -40,6 +40,7 @@ targets ``](…)`` and bare URLs. The rules:
 
 No file is exempt by name; the generated ``notebooks/reference/glossary.md`` passes the lint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,10 +80,15 @@ def _load_terms() -> tuple[Term, ...]:
     raw = json.loads(path.read_text(encoding="utf-8"))
     terms = tuple(
         Term(
-            zh=t["zh"], en=t["en"], abbreviation_ok=t["abbreviation_ok"], code_name=t["code_name"],
-            meaning=t["meaning"], confusion=t["confusion"],
+            zh=t["zh"],
+            en=t["en"],
+            abbreviation_ok=t["abbreviation_ok"],
+            code_name=t["code_name"],
+            meaning=t["meaning"],
+            confusion=t["confusion"],
             forms=tuple((f["zh"], f["en"]) for f in t["forms"]),
-            aliases=tuple(t.get("aliases", ())), look_alikes=tuple(t.get("look_alikes", ())),
+            aliases=tuple(t.get("aliases", ())),
+            look_alikes=tuple(t.get("look_alikes", ())),
         )
         for t in raw["terms"]
     )
@@ -187,7 +193,9 @@ _BLANKED = [  # order matters: code first, so a `$` or `<` inside code never ope
     re.compile(r"https?://[!-~]+"),  # bare URL: printable ASCII only, so 。） end it
 ]
 _GLOSS = re.compile(f"(?<=[{_CJK}])([*_]*（)([^（）\\n]*)(）)")
-_ENGLISH = re.compile(r"(?<![A-Za-z0-9_])(step(?:s|ped|ping)?|skip(?:s|ped|ping)?|allocated|reserved)(?![A-Za-z0-9_])", re.I)
+_ENGLISH = re.compile(
+    r"(?<![A-Za-z0-9_])(step(?:s|ped|ping)?|skip(?:s|ped|ping)?|allocated|reserved)(?![A-Za-z0-9_])", re.I
+)
 _ENGLISH_ZH = {"step": "更新", "skip": "跳步", "allocated": "已分配显存", "reserved": "保留显存"}
 _CATCH_ALL = "训练显存"
 _QUOTES = {("“", "”"), ("「", "」"), ("『", "』"), ('"', '"')}
@@ -306,8 +314,14 @@ def _lint_document(path: Path, shown: str) -> list[Finding]:
         for m in re.finditer(_CATCH_ALL, stripped):  # catch-all
             around = (stripped[m.start() - 1 : m.start()], stripped[m.end() : m.end() + 1])
             if around not in _QUOTES:
-                add(cell, text, m.start(), m.end(), "catch-all",
-                    "训练显存 used as a catch-all; name the state (参数/激活/保存张量/梯度/优化器状态/工作区) or quote the word")
+                add(
+                    cell,
+                    text,
+                    m.start(),
+                    m.end(),
+                    "catch-all",
+                    "训练显存 used as a catch-all; name the state (参数/激活/保存张量/梯度/优化器状态/工作区) or quote the word",
+                )
 
         glossed = _GLOSS.sub(lambda g: g.group(1) + " " * len(g.group(2)) + g.group(3), stripped)
         for block in re.finditer(r"(?:^[ \t]*\S.*(?:\n|$))+", text, re.M):  # english-in-prose
@@ -316,8 +330,14 @@ def _lint_document(path: Path, shown: str) -> list[Finding]:
             for m in _ENGLISH.finditer(glossed, block.start(), block.end()):
                 word = m.group(1).lower()
                 base = next(k for k in _ENGLISH_ZH if word.startswith(k))
-                add(cell, text, m.start(), m.end(), "english-in-prose",
-                    f"{m.group(1)} in Chinese prose; write {_ENGLISH_ZH[base]} or put it in `code`")
+                add(
+                    cell,
+                    text,
+                    m.start(),
+                    m.end(),
+                    "english-in-prose",
+                    f"{m.group(1)} in Chinese prose; write {_ENGLISH_ZH[base]} or put it in `code`",
+                )
     return findings
 
 
@@ -344,8 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     Refuses (returns 2) a root without a ``notebooks/`` folder.
     """
     parser = argparse.ArgumentParser(prog="trainmech lint", description="Check the glossary's writing rules.")
-    parser.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root (default: this checkout)")
-    parser.add_argument("--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first")
+    parser.add_argument(
+        "--root", type=Path, default=REPO_ROOT, help="repository root (default: this checkout)"
+    )
+    parser.add_argument(
+        "--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first"
+    )
     args = parser.parse_args(argv)
     root = args.root.resolve()
     notebooks = root / "notebooks"

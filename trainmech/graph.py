@@ -12,6 +12,17 @@ from collections.abc import Iterator
 
 import torch
 
+__all__ = [
+    "nodes",
+    "reachable_leaves",
+    "depends_on",
+    "node_counts",
+    "levels",
+    "edges",
+    "consumers",
+    "saves_tensors",
+]
+
 
 def nodes(root: torch.Tensor) -> Iterator[torch.autograd.graph.Node]:
     """Every node reachable from root.grad_fn, each once, breadth first."""

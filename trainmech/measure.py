@@ -26,6 +26,33 @@ from torch.utils._pytree import tree_flatten
 from trainmech.errors import TrainmechError
 from trainmech.ledger.categories import CATEGORIES
 
+__all__ = [
+    "percentile",
+    "time_stats",
+    "timed",
+    "cuda_peaks",
+    "reset_cuda_peaks",
+    "cuda_allocated",
+    "MEMORY_CATEGORIES",
+    "FORWARD_PHASES",
+    "REBUILDS",
+    "born_as",
+    "Allocation",
+    "StorageTracker",
+    "phase_hooks",
+    "StepMemory",
+    "training_step_memory",
+    "HistoryBlock",
+    "MemoryHistory",
+    "history_from_tracker",
+    "cuda_memory_history",
+    "step_history",
+    "ALLOCATORS",
+    "AllocatorWindow",
+    "allocator_window",
+    "allocator_peak_cpu",
+]
+
 
 def percentile(samples: list[float], q: float) -> float:
     """The q-th percentile (0..100) with linear interpolation between order statistics."""
@@ -91,7 +118,10 @@ def cuda_allocated(device: torch.device) -> int | None:
 
 MEMORY_CATEGORIES = CATEGORIES  # the ledger's seven categories (trainmech.ledger.categories)
 FORWARD_PHASES = ("forward", "loss")  # phase-name prefixes of the forward pass and the loss
-REBUILDS = ("recompute", "fetch")  # backward moments that re-create saved tensors: a checkpoint's replay, an offload's copy back
+REBUILDS = (
+    "recompute",
+    "fetch",
+)  # backward moments that re-create saved tensors: a checkpoint's replay, an offload's copy back
 _ACTIVE: list[StorageTracker] = []  # the trackers recording now
 
 
@@ -126,8 +156,12 @@ class Allocation:
     born_phase: str  # `<phase>:<rebuild>` when born inside `born_as` (a recompute or an offload's fetch)
     died: int | None = None  # index of its release event; None: still alive when tracking stopped
     died_phase: str | None = None
-    tag: str | None = None  # "gradients" / "optimizer_states" / "workspace", set by StorageTracker.tag / .tagging
-    recomputed: bool = False  # born while autograd recorded inside a backward node: a checkpoint rebuilding its forward
+    tag: str | None = (
+        None  # "gradients" / "optimizer_states" / "workspace", set by StorageTracker.tag / .tagging
+    )
+    recomputed: bool = (
+        False  # born while autograd recorded inside a backward node: a checkpoint rebuilding its forward
+    )
     address: int = 0  # the storage's data_ptr (matches the CUDA allocator's history)
 
 
@@ -150,7 +184,9 @@ class StorageTracker(TorchDispatchMode):
         self.phases: list[str] = []  # the phase of each event
         self._bytes = 0
         self._alive: dict[int, int] = {}  # id(storage) -> index into allocations
-        self._births: dict[int, list[int]] = {}  # id(storage) -> every allocation born on it (resized storages: several)
+        self._births: dict[
+            int, list[int]
+        ] = {}  # id(storage) -> every allocation born on it (resized storages: several)
         self._finalizers: dict[int, weakref.finalize] = {}
         self._tag_births: str | None = None  # set by `tagging`
         self.rebuilds: list[str] = []  # set by born_as: what the backward is re-creating right now
@@ -199,10 +235,17 @@ class StorageTracker(TorchDispatchMode):
 
     def _born(self, storage, op: str) -> None:
         index = len(self.allocations)
-        self.allocations.append(Allocation(storage.nbytes(), op, self._event(storage.nbytes()), self._label(),
-                                           tag=self._tag_births,
-                                           recomputed=torch.is_grad_enabled() and torch._C._current_autograd_node() is not None,
-                                           address=storage.data_ptr()))
+        self.allocations.append(
+            Allocation(
+                storage.nbytes(),
+                op,
+                self._event(storage.nbytes()),
+                self._label(),
+                tag=self._tag_births,
+                recomputed=torch.is_grad_enabled() and torch._C._current_autograd_node() is not None,
+                address=storage.data_ptr(),
+            )
+        )
         self._alive[id(storage)] = index
         self._births.setdefault(id(storage), []).append(index)
         self._finalizers[index] = weakref.finalize(storage, self._released, id(storage), index)
@@ -288,14 +331,20 @@ def phase_hooks(model: torch.nn.Module, tracker: StorageTracker) -> list:
 
     inner = model.model
     # prepend: before any wrapper's own pre-hook, so that FSDP2's all-gather of a layer counts in that layer's phase
-    handles = [inner.embed_tokens.register_forward_pre_hook(set_phase("forward.embed"), prepend=True),
-               on_output_grad(inner.embed_tokens, "backward.embed")]
+    handles = [
+        inner.embed_tokens.register_forward_pre_hook(set_phase("forward.embed"), prepend=True),
+        on_output_grad(inner.embed_tokens, "backward.embed"),
+    ]
     for i, layer in enumerate(inner.layers):
-        handles += [layer.register_forward_pre_hook(set_phase(f"forward.layer.{i}"), prepend=True),
-                    on_output_grad(layer, f"backward.layer.{i}")]
-    handles += [inner.norm.register_forward_pre_hook(set_phase("forward.head"), prepend=True),
-                model.lm_head.register_forward_hook(set_phase("loss")),
-                on_output_grad(model.lm_head, "backward.head")]
+        handles += [
+            layer.register_forward_pre_hook(set_phase(f"forward.layer.{i}"), prepend=True),
+            on_output_grad(layer, f"backward.layer.{i}"),
+        ]
+    handles += [
+        inner.norm.register_forward_pre_hook(set_phase("forward.head"), prepend=True),
+        model.lm_head.register_forward_hook(set_phase("loss")),
+        on_output_grad(model.lm_head, "backward.head"),
+    ]
     return handles
 
 
@@ -314,7 +363,9 @@ class StepMemory:
     phases: list[str]
     peak_allocated_bytes: int | None = None  # torch.cuda.max_memory_allocated over the step
     peak_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved over the step
-    outside_bytes: int | None = None  # CUDA: allocated bytes at the start that are not baseline (batch, other tensors)
+    outside_bytes: int | None = (
+        None  # CUDA: allocated bytes at the start that are not baseline (batch, other tensors)
+    )
 
     @property
     def step_peak_allocated_bytes(self) -> int | None:
@@ -380,7 +431,11 @@ class StepMemory:
     def forward_backward_peak(self) -> int:
         """The most bytes alive (baseline included) before the update: forward, loss and backward events."""
         base = sum(self.baseline.values())
-        return base + max(live for live, phase in zip(self.live, self.phases) if phase.startswith((*FORWARD_PHASES, "backward")))
+        return base + max(
+            live
+            for live, phase in zip(self.live, self.phases)
+            if phase.startswith((*FORWARD_PHASES, "backward"))
+        )
 
     def by_phase(self) -> dict[str, int]:
         """Most bytes alive (baseline included) during each phase, counting what it started with."""
@@ -410,9 +465,17 @@ def _distinct_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
-                         allocator: str | None = None, grads_at_start: bool = False, update: bool = True,
-                         set_to_none: bool = True, autocast: torch.dtype | None = None) -> StepMemory:
+def training_step_memory(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict,
+    *,
+    allocator: str | None = None,
+    grads_at_start: bool = False,
+    update: bool = True,
+    set_to_none: bool = True,
+    autocast: torch.dtype | None = None,
+) -> StepMemory:
     """Track one training step of a transformers causal LM and return its StepMemory.
 
     The step: loss = model(**batch, use_cache=False).loss (under torch.autocast(dtype=autocast) when
@@ -428,21 +491,33 @@ def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
     params = list(model.parameters())
     have = [p.grad is not None for p in params]
     if grads_at_start and not all(have):
-        raise TrainmechError("grads_at_start needs every p.grad to exist (an earlier micro-batch, or zero_grad(set_to_none=False))")
+        raise TrainmechError(
+            "grads_at_start needs every p.grad to exist (an earlier micro-batch, or zero_grad(set_to_none=False))"
+        )
     if not grads_at_start and any(have):
-        raise TrainmechError("training_step_memory needs p.grad = None before the step (zero_grad(set_to_none=True))")
+        raise TrainmechError(
+            "training_step_memory needs p.grad = None before the step (zero_grad(set_to_none=True))"
+        )
     device = params[0].device
-    baseline = {"parameters": _distinct_bytes(params), "optimizer_states": _distinct_bytes(_state_tensors(optimizer)),
-                "gradients": _distinct_bytes([p.grad for p in params]) if grads_at_start else 0}
+    baseline = {
+        "parameters": _distinct_bytes(params),
+        "optimizer_states": _distinct_bytes(_state_tensors(optimizer)),
+        "gradients": _distinct_bytes([p.grad for p in params]) if grads_at_start else 0,
+    }
     if allocator is None:
         allocator = "cuda" if device.type == "cuda" else None
-    window = (allocator_window(device, allocator, assume_start_bytes=sum(baseline.values())) if allocator
-              else contextlib.nullcontext(None))
+    window = (
+        allocator_window(device, allocator, assume_start_bytes=sum(baseline.values()))
+        if allocator
+        else contextlib.nullcontext(None)
+    )
     tracker = StorageTracker()
     handles = phase_hooks(model, tracker)
     if hasattr(optimizer, "watch"):
         handles.append(optimizer.watch(tracker))
-    precision = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    precision = (
+        torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    )
     try:
         with window as seen, tracker:
             with precision:
@@ -463,8 +538,15 @@ def training_step_memory(model: torch.nn.Module, optimizer: torch.optim.Optimize
     if seen is None:
         return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases)
     outside = seen.start_bytes - sum(baseline.values())  # what else was allocated: the batch, other tensors
-    return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases, seen.peak_bytes,
-                      seen.peak_reserved_bytes, outside)
+    return StepMemory(
+        baseline,
+        tracker.allocations,
+        tracker.live,
+        tracker.phases,
+        seen.peak_bytes,
+        seen.peak_reserved_bytes,
+        outside,
+    )
 
 
 @dataclass
@@ -474,7 +556,9 @@ class HistoryBlock:
     nbytes: int
     born: int  # index of its alloc event
     died: int | None  # index of its free event; None: alive at the end
-    category: str  # one of CATEGORIES, or "allocator only" (no tensor state: cuBLAS workspace, kernel scratch)
+    category: (
+        str  # one of CATEGORIES, or "allocator only" (no tensor state: cuBLAS workspace, kernel scratch)
+    )
     phase: str  # the phase it was born in ("" when unknown)
     address: int = 0  # the allocator's address (CUDA history)
 
@@ -514,10 +598,14 @@ def history_from_tracker(steps: list[StepMemory]) -> MemoryHistory:
     for step in steps:
         for a in step.allocations:
             died = None if a.died is None else offset + a.died
-            history.blocks.append(HistoryBlock(a.nbytes, offset + a.born, died, step.category(a), a.born_phase))
+            history.blocks.append(
+                HistoryBlock(a.nbytes, offset + a.born, died, step.category(a), a.born_phase)
+            )
         offset += len(step.live)
     history.events = offset
-    history.update(alloc_events=len(history.blocks), free_events=sum(b.died is not None for b in history.blocks))
+    history.update(
+        alloc_events=len(history.blocks), free_events=sum(b.died is not None for b in history.blocks)
+    )
     return history
 
 
@@ -565,7 +653,9 @@ def cuda_memory_history(device: torch.device, max_entries: int = 200_000):
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    recorded = _history_from_snapshot(snapshot, device.index if device.index is not None else torch.cuda.current_device())
+    recorded = _history_from_snapshot(
+        snapshot, device.index if device.index is not None else torch.cuda.current_device()
+    )
     history.update(recorded)
     history.blocks, history.events = recorded.blocks, recorded.events
 
@@ -626,7 +716,10 @@ def allocator_window(device: torch.device, source: str | None = None, *, assume_
         window.start_bytes = cuda_allocated(device)
         yield window
         peaks = cuda_peaks(device)
-        window.peak_bytes, window.peak_reserved_bytes = peaks["peak_allocated_bytes"], peaks["peak_reserved_bytes"]
+        window.peak_bytes, window.peak_reserved_bytes = (
+            peaks["peak_allocated_bytes"],
+            peaks["peak_reserved_bytes"],
+        )
         return
     with _cpu_allocator_events() as totals:
         yield window

@@ -28,6 +28,8 @@ import torch
 
 from trainmech.errors import TrainmechError
 
+__all__ = ["IMPLS", "adamw", "OptimizerInBackward"]
+
 IMPLS = ("auto", "loop", "foreach", "fused")
 
 
@@ -36,7 +38,9 @@ def adamw(params, impl: str = "loop", **kwargs) -> torch.optim.AdamW:
     "auto": PyTorch's own choice for the parameters' device (the loop on CPU, foreach on CUDA)."""
     if impl not in IMPLS:
         raise TrainmechError(f"unknown AdamW implementation {impl!r}; valid: {', '.join(IMPLS)}")
-    choice = {"auto": {}, "loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+    choice = {"auto": {}, "loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[
+        impl
+    ]
     return torch.optim.AdamW(params, **choice, **kwargs)
 
 
@@ -49,8 +53,11 @@ class OptimizerInBackward:
     like torch.optim's; `updates` counts the parameter updates written so far.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter],
-                 make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    ) -> None:
         self.optimizers = {p: make_optimizer([p]) for p in params if p.requires_grad}
         self.handles = [p.register_post_accumulate_grad_hook(self._step) for p in self.optimizers]
         self.updates = 0
@@ -58,12 +65,17 @@ class OptimizerInBackward:
 
     def _step(self, p: torch.nn.Parameter) -> None:
         tracker = self._tracker
-        if tracker is not None:  # trainmech.measure: the gradient is a gradient, the step's temporaries workspace
+        if (
+            tracker is not None
+        ):  # trainmech.measure: the gradient is a gradient, the step's temporaries workspace
             tracker.tag([p.grad], "gradients")
         with tracker.tagging("workspace") if tracker is not None else nullcontext():
             self.optimizers[p].step()
         if tracker is not None:
-            tracker.tag([t for t in self.optimizers[p].state[p].values() if isinstance(t, torch.Tensor)], "optimizer_states")
+            tracker.tag(
+                [t for t in self.optimizers[p].state[p].values() if isinstance(t, torch.Tensor)],
+                "optimizer_states",
+            )
         p.grad = None  # the gradient has served its only reader: free it now, not at zero_grad
         self.updates += 1
 

@@ -21,6 +21,20 @@ from typing import TYPE_CHECKING, Any
 
 from trainmech.errors import TrainmechError
 
+__all__ = [
+    "RESERVED",
+    "MAX_TEXT",
+    "MAX_DEPTH",
+    "MAX_INT",
+    "BARE_WORD",
+    "EXPRESSION",
+    "parameters_index",
+    "notebook_parameters",
+    "check_name",
+    "parse_override",
+    "inject_parameters",
+]
+
 if TYPE_CHECKING:
     import nbformat  # imported where used: it takes seconds
 
@@ -68,7 +82,9 @@ def check_name(name: str) -> str:
     if name in RESERVED:
         raise TrainmechError(f"{name} is set with {RESERVED[name]}, not with -p")
     if not name.isidentifier() or keyword.iskeyword(name) or not name.isascii():
-        raise TrainmechError(f"-p {name[:40]!r} does not name a parameter (NAME=VALUE, for example -p SEED=1)")
+        raise TrainmechError(
+            f"-p {name[:40]!r} does not name a parameter (NAME=VALUE, for example -p SEED=1)"
+        )
     return name
 
 
@@ -82,7 +98,9 @@ def parse_override(name: str, text: str, defaults: dict[str, Any]) -> Any:
         raise TrainmechError(f"-p {name}: the value is longer than {MAX_TEXT} characters")
     default = defaults[name]
     if default is EXPRESSION:
-        raise TrainmechError(f"-p {name}: its default is computed, not a literal; change it in the notebook instead")
+        raise TrainmechError(
+            f"-p {name}: its default is computed, not a literal; change it in the notebook instead"
+        )
     if isinstance(default, str):
         value = _literal(text)
         return value if isinstance(value, str) else text  # any text is a string; a quoted literal is unquoted
@@ -90,7 +108,9 @@ def parse_override(name: str, text: str, defaults: dict[str, Any]) -> Any:
     if value is _NOT_LITERAL:
         if default is None and BARE_WORD.match(text):
             return text  # WORKLOAD=cpu-seq32
-        raise TrainmechError(f"-p {name}={text[:40]!r} is not a Python literal; {name} takes {_kind(default)}")
+        raise TrainmechError(
+            f"-p {name}={text[:40]!r} is not a Python literal; {name} takes {_kind(default)}"
+        )
     _check_small(name, value, 0)
     if default is None:
         return value
@@ -105,7 +125,9 @@ def inject_parameters(nb: nbformat.NotebookNode, params: dict[str, Any]) -> nbfo
     import nbformat
 
     index = parameters_index(nb)
-    source = "# Parameters injected by python -m trainmech run\n" + "".join(f"{k} = {v!r}\n" for k, v in params.items())
+    source = "# Parameters injected by python -m trainmech run\n" + "".join(
+        f"{k} = {v!r}\n" for k, v in params.items()
+    )
     cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
     if "id" in cell:
         cell.id = "injected-parameters"  # not a random id: executed copies of two runs diff cleanly

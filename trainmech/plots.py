@@ -16,6 +16,29 @@ from matplotlib.ticker import MaxNLocator
 
 from trainmech import fonts
 
+__all__ = [
+    "training_loop",
+    "grad_fn_graph",
+    "token_weights",
+    "precision_runs",
+    "fp16_gradient_range",
+    "wsd_clock",
+    "update_dynamics",
+    "continual_pretrain",
+    "CATEGORY_COLOURS",
+    "lifecycle_chart",
+    "memory_timeline",
+    "memory_viz_timeline",
+    "per_rank_bytes",
+    "strategy_timelines",
+    "saved_bytes_vs_length",
+    "grad_errors",
+    "saved_bytes_by_op",
+    "activation_split",
+    "gate_errors",
+    "gate_matrix",
+]
+
 fonts.configure()
 
 
@@ -45,8 +68,24 @@ _KINDS = {  # node kind -> (words in the node's type name, colour); the first ma
     "loss": (("NllLoss", "LogSoftmax", "Softmax"), "tab:red"),
     "attention": (("SDPA", "Attention"), "tab:purple"),
     "matmul / lookup": (("Mm", "Addmm", "Bmm", "Matmul", "Linear", "Embedding"), "tab:blue"),
-    "view / layout": (("View", "T", "Transpose", "Reshape", "Slice", "Cat", "Alias", "Expand", "Permute",
-                       "Select", "Squeeze", "Unsqueeze", "Clone"), "tab:gray"),
+    "view / layout": (
+        (
+            "View",
+            "T",
+            "Transpose",
+            "Reshape",
+            "Slice",
+            "Cat",
+            "Alias",
+            "Expand",
+            "Permute",
+            "Select",
+            "Squeeze",
+            "Unsqueeze",
+            "Clone",
+        ),
+        "tab:gray",
+    ),
     "elementwise / reduction": ((), "tab:orange"),
 }
 
@@ -107,28 +146,71 @@ def grad_fn_graph(root, *, max_nodes: int | None = None, names: dict | None = No
     for kind, (_, colour) in _KINDS.items():
         members = [n for n in kept if _node_kind(n) == kind]
         if members:
-            ax.scatter([pos[n][0] for n in members], [pos[n][1] for n in members], s=40 if labelled else 16,
-                       color=colour, label=f"{kind}: {len(members)}", zorder=2)
-    for a, b in hot_edges:  # one arc per use of the highlighted leaf, bowing above the graph so none hides another
+            ax.scatter(
+                [pos[n][0] for n in members],
+                [pos[n][1] for n in members],
+                s=40 if labelled else 16,
+                color=colour,
+                label=f"{kind}: {len(members)}",
+                zorder=2,
+            )
+    for (
+        a,
+        b,
+    ) in hot_edges:  # one arc per use of the highlighted leaf, bowing above the graph so none hides another
         span = max(pos[b][0] - pos[a][0], 1) * inches_per_level  # the edge's length on the figure, inches
-        bow = -min(4.0, max(0.08, 0.7 / span))                    # a short edge bows relatively more: about 0.3 inch high
-        ax.annotate("", xy=pos[b], xytext=pos[a], zorder=4, annotation_clip=False,
-                    arrowprops=dict(arrowstyle="-|>", color="tab:red", lw=1.8, shrinkA=3, shrinkB=3,
-                                    connectionstyle=f"arc3,rad={bow:.3f}"))
-        ax.annotate(_short_type(a), pos[a], xytext=(0, -9), textcoords="offset points", fontsize=7, ha="center",
-                    va="top", color="tab:red", zorder=4)
+        bow = -min(4.0, max(0.08, 0.7 / span))  # a short edge bows relatively more: about 0.3 inch high
+        ax.annotate(
+            "",
+            xy=pos[b],
+            xytext=pos[a],
+            zorder=4,
+            annotation_clip=False,
+            arrowprops=dict(
+                arrowstyle="-|>",
+                color="tab:red",
+                lw=1.8,
+                shrinkA=3,
+                shrinkB=3,
+                connectionstyle=f"arc3,rad={bow:.3f}",
+            ),
+        )
+        ax.annotate(
+            _short_type(a),
+            pos[a],
+            xytext=(0, -9),
+            textcoords="offset points",
+            fontsize=7,
+            ha="center",
+            va="top",
+            color="tab:red",
+            zorder=4,
+        )
     for n in kept:
         leaf = getattr(n, "variable", None)
         if labelled or (leaf is not None and leaf is highlight):
             text = by_id.get(id(leaf), "leaf") if leaf is not None else _short_type(n)
-            below = labelled and pos[n][1] < 0  # labels of the lower rows hang below them: no label crosses another
-            lifted = not labelled                # the highlighted leaf's name sits above the arcs that point at it
-            ax.annotate(text, pos[n], xytext=(2, -6 if below else 22 if lifted else 5), textcoords="offset points", fontsize=7,
-                        rotation=-35 if below else (35 if labelled else 0), rotation_mode="anchor",
-                        ha="left" if labelled else "right", va="top" if below else "bottom",
-                        color="tab:red" if leaf is not None and leaf is highlight else "black")
-    ax.set(xlabel="level = longest path from the root's grad_fn (backward runs left to right)", yticks=[],
-           title=f"backward graph: {len(kept)} of {len(level)} nodes")
+            below = (
+                labelled and pos[n][1] < 0
+            )  # labels of the lower rows hang below them: no label crosses another
+            lifted = not labelled  # the highlighted leaf's name sits above the arcs that point at it
+            ax.annotate(
+                text,
+                pos[n],
+                xytext=(2, -6 if below else 22 if lifted else 5),
+                textcoords="offset points",
+                fontsize=7,
+                rotation=-35 if below else (35 if labelled else 0),
+                rotation_mode="anchor",
+                ha="left" if labelled else "right",
+                va="top" if below else "bottom",
+                color="tab:red" if leaf is not None and leaf is highlight else "black",
+            )
+    ax.set(
+        xlabel="level = longest path from the root's grad_fn (backward runs left to right)",
+        yticks=[],
+        title=f"backward graph: {len(kept)} of {len(level)} nodes",
+    )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(-tall / 2 - (1.2 if labelled else 0.3), tall / 2 + (1.2 if labelled else 0.8))
     ax.set_xlim(-0.5, depth + (2.5 if labelled else 0.5))
@@ -152,7 +234,12 @@ def token_weights(micro_tokens: list[int], weights: dict[str, list[float]]):
     ax_n.set(xlabel="micro-batch", ylabel="effective_tokens", title="supervised tokens", xticks=idx)
     total, width = sum(micro_tokens), 0.8 / max(1, len(weights))
     for k, (name, ws) in enumerate(weights.items()):
-        ax_w.bar([i + (k - (len(weights) - 1) / 2) * width for i in idx], [w * total for w in ws], width, label=name)
+        ax_w.bar(
+            [i + (k - (len(weights) - 1) / 2) * width for i in idx],
+            [w * total for w in ws],
+            width,
+            label=name,
+        )
     ax_w.axhline(1.0, color="black", lw=0.8, ls="--")
     ax_w.set(xlabel="micro-batch", ylabel="token weight × N", title="weight of one token", xticks=idx)
     ax_w.legend(fontsize=8)
@@ -172,12 +259,18 @@ def precision_runs(losses: dict[str, list[float | None]], loss_scale: list[float
     fig, (ax_loss, ax_delta, ax_scale) = _figure(3, 3.6)
     reference = losses["fp32"]
     nan = float("nan")
-    ax_loss.plot(range(len(reference)), [nan if y is None else y for y in reference], marker=".", color="tab:blue")
+    ax_loss.plot(
+        range(len(reference)), [nan if y is None else y for y in reference], marker=".", color="tab:blue"
+    )
     ax_loss.set(xlabel="update attempt", ylabel="FP32 token loss (nats)", title="loss per attempt")
     for name, ys in losses.items():
         if name != "fp32":
-            ax_delta.plot(range(len(ys)), [nan if y is None or r is None else y - r for y, r in zip(ys, reference)],
-                          marker=".", label=f"{name} − fp32")
+            ax_delta.plot(
+                range(len(ys)),
+                [nan if y is None or r is None else y - r for y, r in zip(ys, reference)],
+                marker=".",
+                label=f"{name} − fp32",
+            )
     ax_delta.axhline(0.0, color="black", lw=0.8)
     ax_delta.set(xlabel="update attempt", ylabel="loss − FP32 loss (nats)", title="difference from FP32")
     ax_delta.legend(fontsize=7, loc="best")
@@ -212,8 +305,14 @@ def fp16_gradient_range(grads, *, scale: float, label: str):
     ax.hist([x + shifted for x in log2], bins=bins, alpha=0.6, label=f"{label} × loss_scale 2^{shifted:g}")
     ax.axvspan(bins[0], -24, color="tab:red", alpha=0.12, label="FP16: rounds to 0 (< 2^-24)")
     ax.axvspan(-24, -14, color="tab:orange", alpha=0.12, label="FP16: subnormal [2^-24, 2^-14)")
-    ax.axvspan(math.log2(65504), max(bins[-1], 17), color="tab:purple", alpha=0.12, label="FP16: overflow (> 65504)")
-    ax.set(xlabel="log2 |gradient element|", ylabel="elements", title="gradient magnitudes against the FP16 range")
+    ax.axvspan(
+        math.log2(65504), max(bins[-1], 17), color="tab:purple", alpha=0.12, label="FP16: overflow (> 65504)"
+    )
+    ax.set(
+        xlabel="log2 |gradient element|",
+        ylabel="elements",
+        title="gradient magnitudes against the FP16 range",
+    )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.legend(loc="outside lower center", ncols=2, fontsize=7, frameon=False)
     ax.grid(alpha=0.3, axis="y")
@@ -227,7 +326,9 @@ def wsd_clock(lrs: dict[str, list[float]], skipped: list[int]):
     """
     fig, (ax,) = _figure(1, 8.4, 3.6)
     for i, (name, ys) in enumerate(lrs.items()):
-        ax.plot(range(len(ys)), ys, marker=".", drawstyle="steps-post", lw=max(1.0, 4.0 - 1.2 * i), label=name)
+        ax.plot(
+            range(len(ys)), ys, marker=".", drawstyle="steps-post", lw=max(1.0, 4.0 - 1.2 * i), label=name
+        )
     _mark_skips(ax, skipped)
     ax.set(xlabel="update attempt", ylabel="learning rate", title="WSD schedule against the update clock")
     ax.grid(alpha=0.3)
@@ -241,15 +342,25 @@ def update_dynamics(runs: dict[str, dict[str, list[float]]]):
     runs: name -> {"loss", "grad_norm", "clip_coef", "displacement"} lists of equal length.
     """
     fig, axes = _figure(4, 3.2, 2.8)
-    panels = [("loss", "token loss (nats)", "linear"), ("grad_norm", "‖g‖₂ before clipping", "log"),
-              ("clip_coef", "clip coefficient", "linear"), ("displacement", "‖Δθ‖₂ per update", "log")]
+    panels = [
+        ("loss", "token loss (nats)", "linear"),
+        ("grad_norm", "‖g‖₂ before clipping", "log"),
+        ("clip_coef", "clip coefficient", "linear"),
+        ("displacement", "‖Δθ‖₂ per update", "log"),
+    ]
     for ax, (key, label, scale) in zip(axes, panels):
         for name, series in runs.items():
             ax.plot(range(1, len(series[key]) + 1), series[key], marker=".", label=name)
         ax.set(xlabel="effective update", ylabel=label, yscale=scale)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=len(runs), fontsize=7, frameon=False)
+    fig.legend(
+        *axes[0].get_legend_handles_labels(),
+        loc="outside lower center",
+        ncols=len(runs),
+        fontsize=7,
+        frameon=False,
+    )
     return fig
 
 
@@ -265,8 +376,12 @@ def continual_pretrain(before: dict[str, float], after: dict[str, float]):
     bars = ax.bar(range(len(names)), deltas, 0.5, color=["tab:blue" if d < 0 else "tab:red" for d in deltas])
     ax.bar_label(bars, labels=[f"{d:+.2f}" for d in deltas], fontsize=8, padding=2)
     ax.axhline(0.0, color="black", lw=0.8)
-    ax.set(xticks=list(range(len(names))), xticklabels=names, ylabel="Δ token loss (nats): after − before",
-           title="continued pretraining: change per set")
+    ax.set(
+        xticks=list(range(len(names))),
+        xticklabels=names,
+        ylabel="Δ token loss (nats): after − before",
+        title="continued pretraining: change per set",
+    )
     low, high = min(0.0, *deltas), max(0.0, *deltas)
     ax.set_ylim(low - 0.2 * (high - low or 1), high + 0.2 * (high - low or 1))
     ax.grid(alpha=0.3, axis="y")
@@ -275,9 +390,15 @@ def continual_pretrain(before: dict[str, float], after: dict[str, float]):
 
 # ----------------------------------------------------------------------------- Task4: the state ledger
 
-CATEGORY_COLOURS = {"parameters": "tab:gray", "gradients": "tab:red", "optimizer_states": "tab:purple",
-                    "unsaved_activations": "tab:olive", "saved": "tab:blue", "upstream_grads": "tab:cyan",
-                    "workspace": "tab:orange"}
+CATEGORY_COLOURS = {
+    "parameters": "tab:gray",
+    "gradients": "tab:red",
+    "optimizer_states": "tab:purple",
+    "unsaved_activations": "tab:olive",
+    "saved": "tab:blue",
+    "upstream_grads": "tab:cyan",
+    "workspace": "tab:orange",
+}
 
 
 def lifecycle_chart(rows, phases: list[str]):
@@ -289,13 +410,20 @@ def lifecycle_chart(rows, phases: list[str]):
     """
     x = {p: i for i, p in enumerate(phases)} | {"before": -0.6, "after": len(phases) - 0.4}
     fig, (ax,) = _figure(1, 9.0, 0.9 + 0.24 * len(rows))
-    for y, (label, category, nbytes, created, consumed, released) in enumerate(rows):
+    for y, (_label, category, nbytes, created, consumed, released) in enumerate(rows):
         start, end = x[created] - 0.4, x[released] + 0.4
         ax.barh(y, end - start, left=start, height=0.7, color=CATEGORY_COLOURS[category], alpha=0.85)
         if consumed in x and consumed != released:
             ax.plot(x[consumed], y, "o", color="black", ms=3)
-        ax.annotate(f"{nbytes / 2**10:,.0f} KiB", (end, y), xytext=(3, 0), textcoords="offset points",
-                    va="center", fontsize=6, color="0.3")
+        ax.annotate(
+            f"{nbytes / 2**10:,.0f} KiB",
+            (end, y),
+            xytext=(3, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=6,
+            color="0.3",
+        )
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xticks(range(len(phases)), phases, rotation=60, ha="right", fontsize=7)
@@ -311,7 +439,9 @@ def lifecycle_chart(rows, phases: list[str]):
     return fig
 
 
-def memory_timeline(live: list[int], phases: list[str], baseline: int, predicted: list[tuple[str, dict[str, int]]]):
+def memory_timeline(
+    live: list[int], phases: list[str], baseline: int, predicted: list[tuple[str, dict[str, int]]]
+):
     """Top: measured live bytes after every allocation event, the ledger's phase maxima, the peaks marked.
     Bottom: the ledger's composition by category at every tick (stacked), the peak tick outlined.
 
@@ -334,12 +464,28 @@ def memory_timeline(live: list[int], phases: list[str], baseline: int, predicted
     for (p, a), (_, b) in zip(bounds, bounds[1:]):
         top.axvline(a, color="0.85", lw=0.6)
         if p in by_phase:
-            top.hlines(by_phase[p], a, b, colors="tab:green", lw=2, label="ledger, phase maximum" if a == 0 else None)
-        top.annotate(p.replace("forward.", "f.").replace("backward.", "b."), ((a + b) / 2, 0), xycoords=("data", "axes fraction"),
-                     xytext=(0, 2), textcoords="offset points", rotation=90, fontsize=6, ha="center", va="bottom", color="0.35")
+            top.hlines(
+                by_phase[p], a, b, colors="tab:green", lw=2, label="ledger, phase maximum" if a == 0 else None
+            )
+        top.annotate(
+            p.replace("forward.", "f.").replace("backward.", "b."),
+            ((a + b) / 2, 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, 2),
+            textcoords="offset points",
+            rotation=90,
+            fontsize=6,
+            ha="center",
+            va="bottom",
+            color="0.35",
+        )
     k = max(range(len(ys)), key=ys.__getitem__)
     top.plot(k, ys[k], "*", color="tab:red", ms=12, label=f"measured peak: {ys[k]:,.2f} MiB ({phases[k]})")
-    top.set(ylabel="live bytes (MiB)", xlabel="allocation / release event", title="live bytes over one training step")
+    top.set(
+        ylabel="live bytes (MiB)",
+        xlabel="allocation / release event",
+        title="live bytes over one training step",
+    )
     top.legend(fontsize=7, loc="upper right")
     top.grid(alpha=0.3, axis="y")
     ticks_ = [t for t, _ in predicted]
@@ -349,9 +495,22 @@ def memory_timeline(live: list[int], phases: list[str], baseline: int, predicted
         bottom.bar(range(len(ticks_)), vals, bottom=bottom_, color=colour, width=0.85, label=category)
         bottom_ = [a + b for a, b in zip(bottom_, vals)]
     peak = max(range(len(ticks_)), key=bottom_.__getitem__)
-    bottom.bar(peak, bottom_[peak], width=0.95, fill=False, edgecolor="tab:red", lw=1.5, label=f"peak overlap: {ticks_[peak]}")
-    bottom.set_xticks(range(len(ticks_)), [t.replace("forward.", "f.").replace("backward.", "b.") for t in ticks_],
-                      rotation=75, ha="right", fontsize=6)
+    bottom.bar(
+        peak,
+        bottom_[peak],
+        width=0.95,
+        fill=False,
+        edgecolor="tab:red",
+        lw=1.5,
+        label=f"peak overlap: {ticks_[peak]}",
+    )
+    bottom.set_xticks(
+        range(len(ticks_)),
+        [t.replace("forward.", "f.").replace("backward.", "b.") for t in ticks_],
+        rotation=75,
+        ha="right",
+        fontsize=6,
+    )
     bottom.set(ylabel="bytes (MiB)", title="ledger: what is alive at each moment")
     bottom.set_ylim(0, max(bottom_) * 1.35)  # headroom: the legend sits above the tallest bar
     bottom.legend(fontsize=7, ncols=4, loc="upper left")
@@ -393,7 +552,13 @@ def memory_viz_timeline(history, *, columns: int = 300, min_share: float = 0.004
         colours.append(CATEGORY_COLOURS.get(b.category, "0.6"))
     fig, (ax,) = _figure(1, 9.0, 3.6)
     ax.add_collection(PolyCollection(polys, facecolors=colours, edgecolors="none", alpha=0.9))
-    ax.plot(xs, [t / mib for t in totals], color="black", lw=0.8, label="all live blocks (small ones pooled on top)")
+    ax.plot(
+        xs,
+        [t / mib for t in totals],
+        color="black",
+        lw=0.8,
+        label="all live blocks (small ones pooled on top)",
+    )
     present = [c for c in CATEGORY_COLOURS if any(b.category == c for b in big)]
     handles = [Patch(color=CATEGORY_COLOURS[c], label=c) for c in present]
     if any(b.category == "allocator only" for b in big):
@@ -401,8 +566,11 @@ def memory_viz_timeline(history, *, columns: int = 300, min_share: float = 0.004
     ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7, ncols=3, loc="upper left")
     ax.set_xlim(0, n)
     ax.set_ylim(0, max(totals) / mib * 1.35)  # headroom for the legend
-    ax.set(xlabel=f"allocation / release event ({history.source})", ylabel="live bytes above the start (MiB)",
-           title=title or "active memory timeline (memory_viz style)")
+    ax.set(
+        xlabel=f"allocation / release event ({history.source})",
+        ylabel="live bytes above the start (MiB)",
+        title=title or "active memory timeline (memory_viz style)",
+    )
     ax.grid(alpha=0.3, axis="y")
     return fig
 
@@ -417,8 +585,9 @@ def per_rank_bytes(reports, books):
     from matplotlib.patches import Patch
 
     rows = [r for r in reports if r.rank == 0]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 5.6), layout="constrained", sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 2]})
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(9.0, 5.6), layout="constrained", sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
     plt.close(fig)
     kib = 2**10
     xs = range(len(rows))
@@ -427,9 +596,18 @@ def per_rank_bytes(reports, books):
         vals = [r.peak_by_category[category] / kib for r in rows]
         top.bar(xs, vals, bottom=base, color=colour, width=0.7)
         base = [a + b for a, b in zip(base, vals)]
-    top.scatter(xs, [books[(r.stage, r.world_size, 0)].peak_overlap().bytes / kib for r in rows], marker="_", s=500,
-                color="black", zorder=3)
-    top.set(ylabel="peak, rank 0 (KiB)", title="per-rank peak of one update: measured (bars) and the ledger (dash)")
+    top.scatter(
+        xs,
+        [books[(r.stage, r.world_size, 0)].peak_overlap().bytes / kib for r in rows],
+        marker="_",
+        s=500,
+        color="black",
+        zorder=3,
+    )
+    top.set(
+        ylabel="peak, rank 0 (KiB)",
+        title="per-rank peak of one update: measured (bars) and the ledger (dash)",
+    )
     top.set_ylim(0, max(base) * 1.45)
     handles = [Patch(color=c, label=k) for k, c in CATEGORY_COLOURS.items()]
     handles.append(Line2D([], [], marker="_", ms=14, ls="", color="black", label="ledger's predicted peak"))
@@ -437,8 +615,13 @@ def per_rank_bytes(reports, books):
     held = ("parameters", "gradients", "optimizer_states")
     width = 0.25
     for k, name in enumerate(held):
-        bottom.bar([x + (k - 1) * width for x in xs], [r.held[name] / kib for r in rows], width, color=CATEGORY_COLOURS[name],
-                   label=name)
+        bottom.bar(
+            [x + (k - 1) * width for x in xs],
+            [r.held[name] / kib for r in rows],
+            width,
+            color=CATEGORY_COLOURS[name],
+            label=name,
+        )
     bottom.set(ylabel="held after the update (KiB)", xlabel="ZeRO stage (PyTorch's engine) × world size N")
     bottom.set_xticks(list(xs), [f"stage {r.stage}\nN={r.world_size}" for r in rows], fontsize=7)
     bottom.legend(fontsize=7, ncols=3, loc="upper right")
@@ -451,11 +634,18 @@ def per_rank_bytes(reports, books):
 # ----------------------------------------------------------------------------- Task5: strategies
 
 
-_PHASE_SHADES = (("forward", "tab:blue"), ("loss", "tab:blue"), ("backward", "tab:orange"), ("optimizer", "tab:gray"),
-                 ("zero_grad", "tab:gray"))
+_PHASE_SHADES = (
+    ("forward", "tab:blue"),
+    ("loss", "tab:blue"),
+    ("backward", "tab:orange"),
+    ("optimizer", "tab:gray"),
+    ("zero_grad", "tab:gray"),
+)
 
 
-def strategy_timelines(runs: dict[str, tuple[list[int], list[str], int]], predicted_peaks: dict[str, int | None]):
+def strategy_timelines(
+    runs: dict[str, tuple[list[int], list[str], int]], predicted_peaks: dict[str, int | None]
+):
     """One panel per strategy, side by side on one byte scale: measured live bytes over one training step.
 
     runs: name -> (live, phases, baseline) of a trainmech.measure.StepMemory (live bytes after each
@@ -478,16 +668,27 @@ def strategy_timelines(runs: dict[str, tuple[list[int], list[str], int]], predic
         k = max(range(len(ys)), key=ys.__getitem__)
         ax.plot(k, ys[k], "*", color="tab:red", ms=10, label=f"measured {ys[k]:,.1f} MiB")
         if predicted_peaks.get(name) is not None:
-            ax.axhline(predicted_peaks[name] / mib, color="tab:blue", ls="--", lw=1,
-                       label=f"ledger {predicted_peaks[name] / mib:,.1f} MiB")
+            ax.axhline(
+                predicted_peaks[name] / mib,
+                color="tab:blue",
+                ls="--",
+                lw=1,
+                label=f"ledger {predicted_peaks[name] / mib:,.1f} MiB",
+            )
         ax.set(title=name, xlabel="allocation / release event", ylim=(0, top * 1.12))
         ax.legend(fontsize=7, loc="lower right")  # the peaks sit high; the lower right stays clear
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylabel("live bytes (MiB)")
     from matplotlib.patches import Patch
 
-    shades = [Patch(color=c, alpha=0.2, label=p) for p, c in (("forward + loss", "tab:blue"), ("backward", "tab:orange"),
-                                                                ("update + zero_grad", "tab:gray"))]
+    shades = [
+        Patch(color=c, alpha=0.2, label=p)
+        for p, c in (
+            ("forward + loss", "tab:blue"),
+            ("backward", "tab:orange"),
+            ("update + zero_grad", "tab:gray"),
+        )
+    ]
     fig.legend(handles=shades, loc="outside lower center", ncols=3, fontsize=7, frameon=False)
     return fig
 
@@ -500,10 +701,21 @@ def saved_bytes_vs_length(lengths: list[int], series: dict[str, list[int]]):
         ax.plot(lengths, values, marker="o", label=label)
     low = 0.5 * min(min(v) for v in series.values())  # guides start below the data, visible beside it
     for power, style in ((1, ":"), (2, "--")):
-        ax.plot(lengths, [low * (t / lengths[0]) ** power for t in lengths], style, color="gray", lw=0.8,
-                label="∝ T" if power == 1 else "∝ T²")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="saved bytes (float32)",
-           title="attention: what backward keeps")
+        ax.plot(
+            lengths,
+            [low * (t / lengths[0]) ** power for t in lengths],
+            style,
+            color="gray",
+            lw=0.8,
+            label="∝ T" if power == 1 else "∝ T²",
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length T",
+        ylabel="saved bytes (float32)",
+        title="attention: what backward keeps",
+    )
     ax.set_xticks(lengths, [str(t) for t in lengths])
     ax.xaxis.set_minor_locator(plt.NullLocator())
     ax.legend(fontsize=7)
@@ -520,13 +732,23 @@ def grad_errors(names: list[str], errors: dict[str, list[float]], tolerances: di
     rows = list(range(len(names)))
     for (label, values), colour in zip(errors.items(), ("tab:blue", "tab:orange", "tab:red")):
         tol = tolerances.get(label)
-        ax.plot([max(v, 1e-18) for v in values], rows, "x" if tol is None else "o", ms=5 if tol is None else 4,
-                color="tab:red" if tol is None else colour, label=label)
+        ax.plot(
+            [max(v, 1e-18) for v in values],
+            rows,
+            "x" if tol is None else "o",
+            ms=5 if tol is None else 4,
+            color="tab:red" if tol is None else colour,
+            label=label,
+        )
         if tol is not None:
             ax.axvline(tol, color=colour, ls="--", lw=0.8)
     ax.set_yticks(rows, names, fontsize=7)
     ax.invert_yaxis()
-    ax.set(xscale="log", xlabel="max|Δ| / max|autograd|  (dashed: tolerance)", title="every parameter gradient vs autograd")
+    ax.set(
+        xscale="log",
+        xlabel="max|Δ| / max|autograd|  (dashed: tolerance)",
+        title="every parameter gradient vs autograd",
+    )
     fig.legend(loc="outside lower center", ncols=len(errors), fontsize=7, frameon=False)
     ax.grid(alpha=0.3, axis="x")
     return fig
@@ -538,8 +760,12 @@ def saved_bytes_by_op(rows: dict[str, tuple[int, int]]):
     fig, (ax,) = _figure(1, 8.4, 3.6)
     ops = list(rows)
     xs = range(len(ops))
-    for k, (label, colour) in enumerate((("ours (saved dict)", "tab:blue"), ("autograd (measured)", "tab:orange"))):
-        bars = ax.bar([x + (k - 0.5) * 0.38 for x in xs], [rows[op][k] for op in ops], 0.38, color=colour, label=label)
+    for k, (label, colour) in enumerate(
+        (("ours (saved dict)", "tab:blue"), ("autograd (measured)", "tab:orange"))
+    ):
+        bars = ax.bar(
+            [x + (k - 0.5) * 0.38 for x in xs], [rows[op][k] for op in ops], 0.38, color=colour, label=label
+        )
         ax.bar_label(bars, labels=[f"{rows[op][k]:,}" for op in ops], fontsize=6, rotation=90, padding=2)
     ax.set_xticks(list(xs), ops, rotation=20, ha="right", fontsize=8)
     ax.set(ylabel="saved bytes (float32)", title="what each op keeps for backward")
@@ -576,13 +802,19 @@ def gate_errors(errors: dict[str, dict[str, float]], tolerances: dict[str, float
     names = list(next(iter(errors.values())))
     fig, (ax,) = _figure(1, 8.4, 3.6)
     for (label, per_param), colour in zip(errors.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
-        ax.plot(range(len(names)), [max(per_param[n], 1e-18) for n in names], "o", ms=4, color=colour, label=label)
+        ax.plot(
+            range(len(names)), [max(per_param[n], 1e-18) for n in names], "o", ms=4, color=colour, label=label
+        )
         ax.axhline(tolerances[label], color=colour, ls="--", lw=0.8)
     if len(names) <= 40:
         ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
     else:
         ax.set(xlabel="parameter (model order)")
-    ax.set(yscale="log", ylabel="max|Δ| / max|g_reference|", title="gradients gate: every parameter vs the reference run")
+    ax.set(
+        yscale="log",
+        ylabel="max|Δ| / max|g_reference|",
+        title="gradients gate: every parameter vs the reference run",
+    )
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     return fig
@@ -594,12 +826,25 @@ def gate_matrix(rows: dict[str, list[bool | str | None]], gates: list[str]):
     from matplotlib.patches import Rectangle
 
     fig, (ax,) = _figure(1, 1.1 * len(gates) + 3.4, 0.36 * len(rows) + 0.9)
-    style = {True: ("tab:green", "✓"), False: ("tab:red", "✗"), "measured": ("tab:blue", "—"), None: ("lightgray", "·")}
+    style = {
+        True: ("tab:green", "✓"),
+        False: ("tab:red", "✗"),
+        "measured": ("tab:blue", "—"),
+        None: ("lightgray", "·"),
+    }
     for i, cells in enumerate(rows.values()):
         for j, passed in enumerate(cells):
             colour, mark = style[passed]
             ax.add_patch(Rectangle((j + 0.03, i + 0.05), 0.94, 0.9, color=colour, alpha=0.85))
-            ax.text(j + 0.5, i + 0.5, mark, ha="center", va="center", color="dimgray" if passed is None else "white", fontsize=10)
+            ax.text(
+                j + 0.5,
+                i + 0.5,
+                mark,
+                ha="center",
+                va="center",
+                color="dimgray" if passed is None else "white",
+                fontsize=10,
+            )
     ax.set(xlim=(0, len(gates)), ylim=(len(rows), 0))
     ax.set_xticks([j + 0.5 for j in range(len(gates))], gates)
     ax.set_yticks([i + 0.5 for i in range(len(rows))], list(rows), fontsize=8)

@@ -40,6 +40,32 @@ from pathlib import Path
 from trainmech import drift
 from trainmech.session import REPO_ROOT
 
+__all__ = [
+    "PATHS",
+    "PATH_VARIABLES",
+    "SANITIZE_FILE",
+    "NOTEBOOKS_DIR",
+    "RUNS_DIR",
+    "REPORT_DIR",
+    "MIN_MARGIN_RATIO",
+    "SKIPPED_KEYS",
+    "sanitize_patterns",
+    "sanitize",
+    "cell_outputs",
+    "OutputDiff",
+    "output_diffs",
+    "Margin",
+    "read_check_log",
+    "margins",
+    "environment",
+    "execute",
+    "analyse",
+    "discover",
+    "machine",
+    "report_markdown",
+    "main",
+]
+
 PATHS: dict[str, dict[str, str]] = {
     "native": {},
     "no-simd": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"},
@@ -52,11 +78,21 @@ RUNS_DIR = REPO_ROOT / "results" / "portability-runs"
 REPORT_DIR = REPO_ROOT / "results" / "portability"
 MIN_MARGIN_RATIO = 3.0
 # What nbval leaves out of its comparison (nbval.plugin.IPyNbFile.skip_compare, images included).
-SKIPPED_KEYS = {"metadata", "traceback", "prompt_number", "output_type", "name", "execution_count",
-                "application/vnd.jupyter.widget-view+json", "image/png", "image/jpeg"}
+SKIPPED_KEYS = {
+    "metadata",
+    "traceback",
+    "prompt_number",
+    "output_type",
+    "name",
+    "execution_count",
+    "application/vnd.jupyter.widget-view+json",
+    "image/png",
+    "image/jpeg",
+}
 
 
 # ----------------------------------------------------------------------------- outputs
+
 
 def sanitize_patterns(path: Path = SANITIZE_FILE) -> list[tuple[re.Pattern, str]]:
     """The regex / replacement pairs of the nbval sanitize file, in file order."""
@@ -84,7 +120,11 @@ def cell_outputs(nb: dict, patterns: list[tuple[re.Pattern, str]]) -> dict[str, 
             elif out["output_type"] == "error":
                 parts.append(f"error: {out['ename']}: {out['evalue']}")
             else:
-                parts += [f"{key}: {_text(value)}" for key, value in sorted(out.get("data", {}).items()) if key not in SKIPPED_KEYS]
+                parts += [
+                    f"{key}: {_text(value)}"
+                    for key, value in sorted(out.get("data", {}).items())
+                    if key not in SKIPPED_KEYS
+                ]
         parts = [f"{name}: {text}" for name, text in sorted(stream.items())] + parts
         found[cell.get("id", str(i))] = [sanitize(p, patterns) for p in parts]
     return found
@@ -120,6 +160,7 @@ def output_diffs(path: str, executed: Path, committed: Path, patterns) -> list[O
 
 
 # ----------------------------------------------------------------------------- margins
+
 
 @dataclass
 class Margin:
@@ -163,7 +204,9 @@ def margins(logs: dict[str, list[dict]], notebook: str) -> tuple[list[Margin], l
             problems.append(f"{notebook} check {n}: different checks on different paths {kinds}")
             continue
         if not all(holds.values()):
-            problems.append(f"{notebook} check {n} ({next(iter(entries.values()))['statement']}): fails on {[p for p, h in holds.items() if not h]}")
+            problems.append(
+                f"{notebook} check {n} ({next(iter(entries.values()))['statement']}): fails on {[p for p, h in holds.items() if not h]}"
+            )
         distances = {p: _distance(e) for p, e in entries.items()}
         if any(d is None for d in distances.values()):
             continue
@@ -176,6 +219,7 @@ def margins(logs: dict[str, list[dict]], notebook: str) -> tuple[list[Margin], l
 
 
 # ----------------------------------------------------------------------------- execution
+
 
 @contextlib.contextmanager
 def environment(variables: dict[str, str]):
@@ -234,18 +278,24 @@ def analyse(paths: list[str], notebooks: list[Path], runs_dir: Path = RUNS_DIR) 
         all_margins += found
         problems += trouble
     for p in paths:
-        drifts += [(p, str(d)) for d in drift.compare_runs(runs_dir / p, require_all=len(notebooks) == len(discover()))]
+        drifts += [
+            (p, str(d))
+            for d in drift.compare_runs(runs_dir / p, require_all=len(notebooks) == len(discover()))
+        ]
     return {"diffs": diffs, "margins": all_margins, "problems": problems, "drifts": drifts}
 
 
 def discover(only: list[str] | None = None) -> list[Path]:
-    found = sorted(NOTEBOOKS_DIR.glob("Task*.ipynb"), key=lambda p: int(re.match(r"Task(\d+)", p.name).group(1)))
+    found = sorted(
+        NOTEBOOKS_DIR.glob("Task*.ipynb"), key=lambda p: int(re.match(r"Task(\d+)", p.name).group(1))
+    )
     if only:
         found = [p for p in found if any(p.stem == o or p.stem.startswith(o + "_") for o in only)]
     return found
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def machine() -> dict:
     import torch
@@ -256,31 +306,50 @@ def machine() -> dict:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return {"cpu": cpu, "machine": platform.machine(), "torch": torch.__version__,
-            "native_capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "cpu": cpu,
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "native_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def report_markdown(result: dict, paths: list[str], seconds: dict) -> str:
-    lines = ["# Portability report", "",
-             f"Machine: {result['machine']['cpu']} ({result['machine']['machine']}, torch {result['machine']['torch']}, "
-             f"native ATen capability {result['machine']['native_capability']}).", "",
-             "| path | variables | seconds (all notebooks) |", "|---|---|---|"]
+    lines = [
+        "# Portability report",
+        "",
+        f"Machine: {result['machine']['cpu']} ({result['machine']['machine']}, torch {result['machine']['torch']}, "
+        f"native ATen capability {result['machine']['native_capability']}).",
+        "",
+        "| path | variables | seconds (all notebooks) |",
+        "|---|---|---|",
+    ]
     for p in paths:
         variables = " ".join(f"{k}={v}" for k, v in PATHS[p].items()) or "(none: this machine's defaults)"
         lines.append(f"| {p} | {variables} | {sum(seconds.get(p, {}).values()):.0f} |")
     lines += ["", f"## Outputs against the committed notebooks: {len(result['diffs'])} differing cell(s)", ""]
-    lines += [f"- {d.path} · {d.notebook} · {d.cell}: `{d.committed}` → `{d.fresh}`" for d in result["diffs"]] or ["None."]
-    lines += ["", f"## Claim margins (margin ≥ {MIN_MARGIN_RATIO:g}× spread across paths)", "",
-              "Tightest quantitative check per notebook (margin: distance to the limit on the worst path; spread: how "
-              "much that distance moves between paths).", "",
-              "| notebook | check | margin | spread | ratio |", "|---|---|---|---|---|"]
+    lines += [
+        f"- {d.path} · {d.notebook} · {d.cell}: `{d.committed}` → `{d.fresh}`" for d in result["diffs"]
+    ] or ["None."]
+    lines += [
+        "",
+        f"## Claim margins (margin ≥ {MIN_MARGIN_RATIO:g}× spread across paths)",
+        "",
+        "Tightest quantitative check per notebook (margin: distance to the limit on the worst path; spread: how "
+        "much that distance moves between paths).",
+        "",
+        "| notebook | check | margin | spread | ratio |",
+        "|---|---|---|---|---|",
+    ]
     by_nb: dict[str, Margin] = {}
     for m in result["margins"]:
         if m.notebook not in by_nb or m.ratio < by_nb[m.notebook].ratio:
             by_nb[m.notebook] = m
     for nb, m in by_nb.items():
-        lines.append(f"| {nb} | {m.statement[:90]} | {min(m.margins.values()):.3g} | {m.spread:.3g} | "
-                     f"{'∞' if math.isinf(m.ratio) else f'{m.ratio:.3g}'} |")
+        lines.append(
+            f"| {nb} | {m.statement[:90]} | {min(m.margins.values()):.3g} | {m.spread:.3g} | "
+            f"{'∞' if math.isinf(m.ratio) else f'{m.ratio:.3g}'} |"
+        )
     bad = [m for m in result["margins"] if not m.ok]
     lines += ["", f"Checks below the ratio: {len(bad)} of {len(result['margins'])}.", ""]
     lines += [f"- {m.notebook} #{m.n} {m.statement}: margins {m.margins}, spread {m.spread:.3g}" for m in bad]
@@ -291,31 +360,61 @@ def report_markdown(result: dict, paths: list[str], seconds: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainmech portability", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS), help="numeric paths to run (default: all)")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainmech portability",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        default=list(PATHS),
+        choices=list(PATHS),
+        help="numeric paths to run (default: all)",
+    )
     parser.add_argument("--only", nargs="+", metavar="TaskN", help="only these notebooks")
-    parser.add_argument("--reuse", action="store_true", help="analyse the last runs in results/portability-runs/ without executing")
-    parser.add_argument("--report", type=Path, default=REPORT_DIR, help="folder for REPORT.md and report.json")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="analyse the last runs in results/portability-runs/ without executing",
+    )
+    parser.add_argument(
+        "--report", type=Path, default=REPORT_DIR, help="folder for REPORT.md and report.json"
+    )
     args = parser.parse_args(argv)
     notebooks = discover(args.only)
     seconds: dict[str, dict[str, float]] = {}
     if not args.reuse:
         for p in args.paths:
-            print(f"path {p}: {' '.join(f'{k}={v}' for k, v in PATHS[p].items()) or 'defaults'}", file=sys.stderr)
+            print(
+                f"path {p}: {' '.join(f'{k}={v}' for k, v in PATHS[p].items()) or 'defaults'}",
+                file=sys.stderr,
+            )
             seconds[p] = execute(p, notebooks, RUNS_DIR / p)
     result = analyse(args.paths, notebooks)
     result["machine"] = machine()
     args.report.mkdir(parents=True, exist_ok=True)
     (args.report / "REPORT.md").write_text(report_markdown(result, args.paths, seconds), encoding="utf-8")
-    payload = {"machine": result["machine"], "paths": {p: PATHS[p] for p in args.paths}, "seconds": seconds,
-               "diffs": [asdict(d) for d in result["diffs"]], "problems": result["problems"],
-               "drifts": [{"path": p, "drift": d} for p, d in result["drifts"]],
-               "margins": [{**asdict(m), "ratio": None if math.isinf(m.ratio) else m.ratio} for m in result["margins"]]}
-    (args.report / "report.json").write_text(json.dumps(payload, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    payload = {
+        "machine": result["machine"],
+        "paths": {p: PATHS[p] for p in args.paths},
+        "seconds": seconds,
+        "diffs": [asdict(d) for d in result["diffs"]],
+        "problems": result["problems"],
+        "drifts": [{"path": p, "drift": d} for p, d in result["drifts"]],
+        "margins": [
+            {**asdict(m), "ratio": None if math.isinf(m.ratio) else m.ratio} for m in result["margins"]
+        ],
+    }
+    (args.report / "report.json").write_text(
+        json.dumps(payload, ensure_ascii=False, indent=1) + "\n", encoding="utf-8"
+    )
     bad = [m for m in result["margins"] if not m.ok]
-    print(f"{len(result['diffs'])} output diff(s), {len(bad)} tight margin(s), {len(result['problems'])} problem(s), "
-          f"{len(result['drifts'])} record drift(s); report in {args.report}", file=sys.stderr)
+    print(
+        f"{len(result['diffs'])} output diff(s), {len(bad)} tight margin(s), {len(result['problems'])} problem(s), "
+        f"{len(result['drifts'])} record drift(s); report in {args.report}",
+        file=sys.stderr,
+    )
     return 1 if result["diffs"] or bad or result["problems"] or result["drifts"] else 0
 
 

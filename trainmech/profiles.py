@@ -15,6 +15,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from trainmech.errors import TrainmechError
 
+__all__ = [
+    "PROFILES_DIR",
+    "MODES",
+    "ModelSpec",
+    "Workload",
+    "Profile",
+    "available",
+    "load",
+    "for_mode",
+    "check_mode",
+    "installed_versions",
+    "version_problems",
+]
+
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
 # run mode -> profile id (ARCHITECTURE §2)
@@ -94,7 +108,9 @@ class Profile(BaseModel):
     def model(self, name: str | None = None) -> ModelSpec:
         name = name or self.default_model
         if name not in self.models:
-            raise TrainmechError(f"profile {self.profile_id} has no model {name!r}; valid: {', '.join(self.models)}")
+            raise TrainmechError(
+                f"profile {self.profile_id} has no model {name!r}; valid: {', '.join(self.models)}"
+            )
         return self.models[name]
 
     def workload(self, workload_id: str) -> Workload:
@@ -179,4 +195,3 @@ def version_problems(profile: Profile, installed: dict[str, str | None] | None =
         if not ok:
             problems.append(f"{name} {version} does not satisfy {spec} ({profile.profile_id})")
     return problems
-

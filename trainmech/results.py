@@ -25,10 +25,55 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainmech.errors import TrainmechError
 
+__all__ = [
+    "REPO_ROOT",
+    "RESULTS_ENV",
+    "SCHEMA_VERSION",
+    "MAX_RECORD_BYTES",
+    "MAX_LABEL_LENGTH",
+    "PARTIAL_SUFFIX",
+    "LABEL_RE",
+    "ID_RE",
+    "EVIDENCE_LEVELS",
+    "Evidence",
+    "Decision",
+    "Scalar",
+    "Count",
+    "Seconds",
+    "Error",
+    "Identity",
+    "EffectiveBatch",
+    "Workload",
+    "NumericEnv",
+    "Environment",
+    "Correctness",
+    "Resources",
+    "Conclusion",
+    "Record",
+    "check_label",
+    "run_label_of",
+    "validate",
+    "write_record",
+    "shown",
+    "read_json",
+    "read_record",
+    "record_paths",
+    "read_records",
+    "read_run",
+    "json_schema",
+    "write_schema",
+    "experiments",
+    "evidence_status",
+    "registry_markdown",
+    "runs_with_evidence",
+]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ENV = "TRAINMECH_RESULTS_DIR"  # where kernels write records when the runner or the tests say so
 
-SCHEMA_VERSION = 2  # 2: the environment names the CPU, its ISA, BLAS, oneDNN, threads (1 is read as 2 with those null)
+SCHEMA_VERSION = (
+    2  # 2: the environment names the CPU, its ISA, BLAS, oneDNN, threads (1 is read as 2 with those null)
+)
 MAX_RECORD_BYTES = 1 << 20  # a record is a few KB; anything larger is not one
 MAX_LABEL_LENGTH = 100  # a label is a folder name, with room for .staging-…-<pid> beside it
 PARTIAL_SUFFIX = ".partial"  # results/<label>.partial/: a run that did not complete (see trainmech.runner)
@@ -155,8 +200,12 @@ class Record(_Group):
     @model_validator(mode="after")
     def _evidence_matches_the_environment(self) -> Record:
         env = self.environment
-        if self.conclusion.evidence_level == "gpu-measured" and not (env.device.startswith("cuda") and env.gpu):
-            raise ValueError(f"evidence_level gpu-measured needs a CUDA device and a named gpu, but device is {env.device!r}")
+        if self.conclusion.evidence_level == "gpu-measured" and not (
+            env.device.startswith("cuda") and env.gpu
+        ):
+            raise ValueError(
+                f"evidence_level gpu-measured needs a CUDA device and a named gpu, but device is {env.device!r}"
+            )
         return self
 
     @property
@@ -226,7 +275,9 @@ def shown(path: Path) -> str:
     return name if name.isprintable() else ascii(name)
 
 
-def read_json(path: Path, what: str = "file", max_bytes: int = MAX_RECORD_BYTES, name: str | None = None) -> Any:
+def read_json(
+    path: Path, what: str = "file", max_bytes: int = MAX_RECORD_BYTES, name: str | None = None
+) -> Any:
     """The JSON value of a regular file of at most max_bytes; anything else is refused in one sentence
     naming it: "<what> <name>" (name: the file's name unless given)."""
     path, name = Path(path), name or shown(path)
@@ -268,7 +319,9 @@ def read_record(path: Path, run_label: str | None = None) -> Record:
     except ValidationError as e:
         raise TrainmechError(f"record {shown(path)} is malformed: {_first_error(e)}") from None
     if path.name != record.filename:
-        raise TrainmechError(f"record {shown(path)} has the identity of {record.filename}; a record's file name is its identity")
+        raise TrainmechError(
+            f"record {shown(path)} has the identity of {record.filename}; a record's file name is its identity"
+        )
     if run_label is not None and record.identity.run_label != run_label:
         raise TrainmechError(
             f"record {shown(path)} belongs to run {record.identity.run_label!r}, not to {run_label!r} whose folder holds it"
@@ -318,6 +371,7 @@ def write_schema(path: Path) -> Path:
 
 # ----------------------------------------------------------------------------- the registry
 
+
 def experiments() -> list[dict[str, str]]:
     """The registry's experiments (package data `registry.toml`), in curriculum order."""
     text = resources.files("trainmech").joinpath("data/registry.toml").read_text(encoding="utf-8")
@@ -347,7 +401,9 @@ def _page(e: dict) -> str:
     return e["page"] if e["page"] == task else f"{e['page']} → {task}"
 
 
-def registry_markdown(records: list[Record], run_label: str | None = None, invalid: dict[str, str] | None = None) -> str:
+def registry_markdown(
+    records: list[Record], run_label: str | None = None, invalid: dict[str, str] | None = None
+) -> str:
     """The asset registry's table for one run: every experiment, its status from the records;
     invalid ({file name: reason}, see read_run) are listed below the table, not counted in it."""
     by_id: dict[str, list[Record]] = defaultdict(list)
@@ -372,8 +428,13 @@ def registry_markdown(records: list[Record], run_label: str | None = None, inval
     for sid in extra:
         lines.append(f"| {sid} / — | — | — | {evidence_status(by_id[sid])} | — |")
     if invalid:
-        lines += ["", f"## 无效记录（invalid records）：{len(invalid)} 个", "",
-                  "下列文件不是这次运行的有效结果记录，没有计入上表：", ""]
+        lines += [
+            "",
+            f"## 无效记录（invalid records）：{len(invalid)} 个",
+            "",
+            "下列文件不是这次运行的有效结果记录，没有计入上表：",
+            "",
+        ]
         lines += [f"- `{name}`: {reason}" for name, reason in sorted(invalid.items())]
     return "\n".join(lines) + "\n"
 
@@ -384,7 +445,11 @@ def runs_with_evidence(root: Path, level: str = "gpu-measured") -> dict[str, lis
     if level not in EVIDENCE_LEVELS:
         raise TrainmechError(f"unknown evidence level {level!r}; valid: {', '.join(EVIDENCE_LEVELS)}")
     found: dict[str, list[Record]] = {}
-    for folder in sorted(p for p in Path(root).iterdir() if p.is_dir() and LABEL_RE.match(p.name) and not p.name.startswith(".")):
+    for folder in sorted(
+        p
+        for p in Path(root).iterdir()
+        if p.is_dir() and LABEL_RE.match(p.name) and not p.name.startswith(".")
+    ):
         records, _ = read_run(folder)
         if any(r.conclusion.evidence_level == level for r in records):
             found[folder.name] = records

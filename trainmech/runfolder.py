@@ -25,7 +25,24 @@ from typing import Any
 from trainmech import results
 from trainmech.errors import TrainmechError
 
-RUN_FILES = {"run.json", "REGISTRY.md", "notebooks", "checks"}  # besides record files: what a run writes into its folder
+__all__ = [
+    "RUN_FILES",
+    "MAX_RUN_JSON_BYTES",
+    "label_lock",
+    "remove_stale",
+    "new_staging",
+    "check_target",
+    "replace_dir",
+    "read_run_json",
+    "write_json",
+]
+
+RUN_FILES = {
+    "run.json",
+    "REGISTRY.md",
+    "notebooks",
+    "checks",
+}  # besides record files: what a run writes into its folder
 MAX_RUN_JSON_BYTES = 4 << 20
 
 
@@ -97,8 +114,11 @@ def check_target(target: Path) -> None:
     if target.is_symlink() or not target.is_dir():
         raise TrainmechError(f"results/{target.name} exists and is not a run folder; choose another --label")
     foreign = sorted(
-        p.name for p in target.iterdir()
-        if p.name not in RUN_FILES and not (p.name.endswith(".json") and "__" in p.name) and not p.name.startswith(".tmp-")
+        p.name
+        for p in target.iterdir()
+        if p.name not in RUN_FILES
+        and not (p.name.endswith(".json") and "__" in p.name)
+        and not p.name.startswith(".tmp-")
     )
     if foreign:
         raise TrainmechError(
@@ -128,8 +148,10 @@ def read_run_json(folder: Path) -> dict[str, Any] | None:
     if not os.path.lexists(path):
         return None
     data = results.read_json(path, "run summary", MAX_RUN_JSON_BYTES, f"results/{folder.name}/run.json")
-    if not isinstance(data, dict) or not isinstance(data.get("notebooks"), list) or not all(
-        isinstance(n, dict) and isinstance(n.get("notebook"), str) for n in data["notebooks"]
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("notebooks"), list)
+        or not all(isinstance(n, dict) and isinstance(n.get("notebook"), str) for n in data["notebooks"])
     ):
         raise TrainmechError(f"results/{folder.name}/run.json is not a run summary (no list of notebooks)")
     return data

@@ -41,8 +41,28 @@ from trainmech.errors import TrainmechError
 from trainmech.execution import Interrupted, Job, NotebookResult, Progress, Signals, task_key  # noqa: F401
 from trainmech.results import PARTIAL_SUFFIX, REPO_ROOT, RESULTS_ENV
 
+__all__ = [
+    "NOTEBOOKS_DIR",
+    "RESULTS_ROOT",
+    "TASK_RE",
+    "MAX_TIMEOUT",
+    "discover",
+    "inject_parameters",
+    "plan_overrides",
+    "check_timeout",
+    "check_run_label",
+    "run",
+    "check_destination",
+    "records_into",
+    "refresh_in_place",
+    "TIME_KEY",
+    "VARIES",
+    "compare_runs",
+    "benchmark_jobs",
+]
+
 if TYPE_CHECKING:
-    import nbformat  # imported where used: it takes seconds, and a refused command needs none of it
+    pass  # imported where used: it takes seconds, and a refused command needs none of it
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 RESULTS_ROOT = REPO_ROOT / "results"
@@ -54,7 +74,10 @@ def discover(notebooks_dir: Path = NOTEBOOKS_DIR, only: list[str] | None = None)
     """Task notebooks in Task order; `only` keeps those whose name starts with one of its items."""
     found = sorted(
         (p for p in notebooks_dir.glob("Task*.ipynb") if TASK_RE.match(p.name)),
-        key=lambda p: (int(TASK_RE.match(p.name).group(1)), p.name),  # name breaks ties: glob order is arbitrary
+        key=lambda p: (
+            int(TASK_RE.match(p.name).group(1)),
+            p.name,
+        ),  # name breaks ties: glob order is arbitrary
     )
     if only:
         wanted = [o.removesuffix(".ipynb") for o in only]
@@ -100,16 +123,24 @@ def plan_overrides(notebooks: list[Path], overrides: dict[str, Any]) -> dict[str
 
 
 def check_timeout(timeout: Any) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-            or not 0 < timeout <= MAX_TIMEOUT:
-        raise TrainmechError(f"--timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT:.0f}, got {timeout!r}")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or not 0 < timeout <= MAX_TIMEOUT
+    ):
+        raise TrainmechError(
+            f"--timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT:.0f}, got {timeout!r}"
+        )
     return float(timeout)
 
 
 def check_run_label(label: Any) -> str:
     results.check_label(label)
     if label.endswith(PARTIAL_SUFFIX):
-        raise TrainmechError(f"labels ending in {PARTIAL_SUFFIX} name the folders of incomplete runs; choose another --label")
+        raise TrainmechError(
+            f"labels ending in {PARTIAL_SUFFIX} name the folders of incomplete runs; choose another --label"
+        )
     return label
 
 
@@ -138,7 +169,9 @@ def run(
         import torch
 
         if not torch.cuda.is_available():
-            raise TrainmechError(f"run mode {run_mode} needs a CUDA GPU and this machine has none; use --mode cpu")
+            raise TrainmechError(
+                f"run mode {run_mode} needs a CUDA GPU and this machine has none; use --mode cpu"
+            )
     notebooks_dir = Path(notebooks_dir or NOTEBOOKS_DIR).absolute()  # kernels run in the notebooks' folder
     notebooks = discover(notebooks_dir, only)
     if not notebooks:
@@ -153,8 +186,21 @@ def run(
         staging = root / f".staging-{run_label}-{os.getpid()}"
         try:
             _new_staging(root, run_label, staging)
-            return _run_in(staging, signals, profile, run_label, notebooks, planned, only, timeout, jobs, root,
-                           previous, progress, allow_errors)
+            return _run_in(
+                staging,
+                signals,
+                profile,
+                run_label,
+                notebooks,
+                planned,
+                only,
+                timeout,
+                jobs,
+                root,
+                previous,
+                progress,
+                allow_errors,
+            )
         except BaseException:
             signals.holding = True  # a second Ctrl-C must not cut the cleanup short
             shutil.rmtree(staging, ignore_errors=True)
@@ -169,9 +215,13 @@ def check_destination(root: Path, label: str, run_mode: str, merge: bool) -> dic
         return None
     previous = runfolder.read_run_json(target)
     if previous is None:
-        raise TrainmechError(f"results/{label} has no run.json to merge --only into; run every notebook or choose another --label")
+        raise TrainmechError(
+            f"results/{label} has no run.json to merge --only into; run every notebook or choose another --label"
+        )
     if previous.get("run_mode") != run_mode:
-        raise TrainmechError(f"results/{label} holds a {previous.get('run_mode')!r} run; --only merges only into a run of the same mode")
+        raise TrainmechError(
+            f"results/{label} holds a {previous.get('run_mode')!r} run; --only merges only into a run of the same mode"
+        )
     return previous
 
 
@@ -183,22 +233,50 @@ def _new_staging(root: Path, label: str, staging: Path) -> None:
         raise TrainmechError(f"cannot write into {root} ({e.strerror}); no notebook was run") from None
 
 
-def _run_in(staging, signals, profile, run_label, notebooks, planned, only, timeout, jobs, root, previous,
-            progress, allow_errors) -> int:
+def _run_in(
+    staging,
+    signals,
+    profile,
+    run_label,
+    notebooks,
+    planned,
+    only,
+    timeout,
+    jobs,
+    root,
+    previous,
+    progress,
+    allow_errors,
+) -> int:
     """The run itself, built in staging, then moved to results/<label>/ or results/<label>.partial/."""
     target = root / run_label
     last = previous or _last_summary(target)  # what the label's last run measured: times, memory
     n_jobs, note = execution.choose_jobs(jobs, len(notebooks), profile.device, last)
-    order = notebooks if n_jobs == 1 else [
-        next(p for p in notebooks if p.stem == stem) for stem in execution.longest_first([p.stem for p in notebooks], last)]
+    order = (
+        notebooks
+        if n_jobs == 1
+        else [
+            next(p for p in notebooks if p.stem == stem)
+            for stem in execution.longest_first([p.stem for p in notebooks], last)
+        ]
+    )
     (staging / "notebooks").mkdir()
     work = []
     for path in order:
         records_dir = staging / ".records" / path.stem
         records_dir.mkdir(parents=True)
         params = {"RUN_MODE": profile.run_mode, "RUN_LABEL": run_label, **planned[path.stem]}
-        work.append(Job(path, params, staging / "notebooks" / path.name, records_dir, timeout, planned[path.stem],
-                        allow_errors=allow_errors))
+        work.append(
+            Job(
+                path,
+                params,
+                staging / "notebooks" / path.name,
+                records_dir,
+                timeout,
+                planned[path.stem],
+                allow_errors=allow_errors,
+            )
+        )
     show = Progress(progress, len(work))
     if note:
         show.write(note)
@@ -227,7 +305,9 @@ def _run_in(staging, signals, profile, run_label, notebooks, planned, only, time
         }
         runfolder.write_json(staging / "run.json", summary)
         records, invalid = results.read_run(staging, run_label)
-        (staging / "REGISTRY.md").write_text(results.registry_markdown(records, run_label, invalid), encoding="utf-8")
+        (staging / "REGISTRY.md").write_text(
+            results.registry_markdown(records, run_label, invalid), encoding="utf-8"
+        )
         if signals.received:
             raise Interrupted(signals.received)
         runfolder.replace_dir(staging, destination)
@@ -239,7 +319,11 @@ def _run_in(staging, signals, profile, run_label, notebooks, planned, only, time
         shutil.rmtree(root / f"{run_label}{PARTIAL_SUFFIX}", ignore_errors=True)  # superseded
     if progress:
         ok = sum(o.status == "ok" for o in outcomes)
-        where = f"results in {destination}" if complete else f"incomplete run kept in {destination}; {target} is unchanged"
+        where = (
+            f"results in {destination}"
+            if complete
+            else f"incomplete run kept in {destination}; {target} is unchanged"
+        )
         print(f"{ok}/{len(outcomes)} notebooks ok; {where}", file=sys.stderr)
     return 0 if complete else 1
 
@@ -252,7 +336,9 @@ def _last_summary(folder: Path) -> dict | None:
         return None
 
 
-def _assemble(staging: Path, target: Path, previous: dict | None, outcomes: list[NotebookResult]) -> list[dict]:
+def _assemble(
+    staging: Path, target: Path, previous: dict | None, outcomes: list[NotebookResult]
+) -> list[dict]:
     """Move each notebook's records and check log into staging (Task order: a later notebook's file wins, as
     when run one after another); with a previous run to merge into, keep its other notebooks' records,
     executed copies and check logs first.
@@ -260,7 +346,9 @@ def _assemble(staging: Path, target: Path, previous: dict | None, outcomes: list
     entries = {o.notebook: asdict(o) for o in outcomes}
     if previous is not None:
         rerun = set(entries)
-        dropped = {name for n in previous["notebooks"] if n["notebook"] in rerun for name in n.get("records") or []}
+        dropped = {
+            name for n in previous["notebooks"] if n["notebook"] in rerun for name in n.get("records") or []
+        }
         for path in results.record_paths(target):
             if path.name not in dropped:
                 shutil.copy2(path, staging / path.name)
@@ -324,7 +412,13 @@ def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[s
             try:
                 client.execute()
             except Exception as e:  # keep the committed copy when the run fails
-                outcomes.append((path.stem, "failed", execution.first_error(nb) or {"ename": type(e).__name__, "evalue": str(e)[:500]}))
+                outcomes.append(
+                    (
+                        path.stem,
+                        "failed",
+                        execution.first_error(nb) or {"ename": type(e).__name__, "evalue": str(e)[:500]},
+                    )
+                )
                 continue
             nbformat.write(nb, path)
             outcomes.append((path.stem, "ok", None))
@@ -333,8 +427,13 @@ def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[s
 
 # ----------------------------------------------------------------------------- --jobs 1 beside --jobs N
 
-TIME_KEY = re.compile(r"(time|wait).*_s(_|$)")  # record fields holding seconds: step_time_median_s, h2d_wait_s, …
-VARIES = [(re.compile(r"\d+(\.\d+)?\s?(s|ms|µs|秒)\b"), "<TIME>"), (re.compile(r"0x[0-9a-fA-F]{6,}"), "<ADDRESS>")]
+TIME_KEY = re.compile(
+    r"(time|wait).*_s(_|$)"
+)  # record fields holding seconds: step_time_median_s, h2d_wait_s, …
+VARIES = [
+    (re.compile(r"\d+(\.\d+)?\s?(s|ms|µs|秒)\b"), "<TIME>"),
+    (re.compile(r"0x[0-9a-fA-F]{6,}"), "<ADDRESS>"),
+]
 # ^ what honestly varies in printed outputs: the sanitizers of tests/nbval_sanitize.cfg
 
 
@@ -369,19 +468,25 @@ def compare_runs(a: Path, b: Path) -> list[str]:
         pa, pb = a / name, b / name
         if not (pa.exists() and pb.exists()):
             out.append(f"{name}: only in {(a if pa.exists() else b).name}")
-        elif _without_times(json.loads(pa.read_text(encoding="utf-8"))) != _without_times(json.loads(pb.read_text(encoding="utf-8"))):
+        elif _without_times(json.loads(pa.read_text(encoding="utf-8"))) != _without_times(
+            json.loads(pb.read_text(encoding="utf-8"))
+        ):
             out.append(f"{name}: differs beyond its times")
     for pa in sorted((a / "notebooks").glob("*.ipynb")):
         pb = b / "notebooks" / pa.name
         if not pb.exists():
             out.append(f"notebooks/{pa.name}: only in {a.name}")
         elif _outputs(pa) != _outputs(pb):
-            n = sum(x != y for x, y in zip(_outputs(pa), _outputs(pb))) + abs(len(_outputs(pa)) - len(_outputs(pb)))
+            n = sum(x != y for x, y in zip(_outputs(pa), _outputs(pb))) + abs(
+                len(_outputs(pa)) - len(_outputs(pb))
+            )
             out.append(f"notebooks/{pa.name}: {n} output(s) differ beyond times")
     return out
 
 
-def benchmark_jobs(jobs: int = 2, *, notebooks_dir: Path | None = None, timeout: float = 1200.0, out=print) -> float:
+def benchmark_jobs(
+    jobs: int = 2, *, notebooks_dir: Path | None = None, timeout: float = 1200.0, out=print
+) -> float:
     """Run every notebook in CPU mode with --jobs 1, then with --jobs N, into a throw-away results folder;
     print both wall times, their ratio and whether records and outputs agree apart from times. Returns the ratio."""
     seconds, folders = {}, {}
@@ -389,16 +494,29 @@ def benchmark_jobs(jobs: int = 2, *, notebooks_dir: Path | None = None, timeout:
         for n in (1, jobs):
             root = Path(scratch) / f"jobs-{n}"
             t0 = time.perf_counter()
-            code = run("cpu", "benchmark", jobs=n, timeout=timeout, notebooks_dir=notebooks_dir, results_root=root, progress=False)
+            code = run(
+                "cpu",
+                "benchmark",
+                jobs=n,
+                timeout=timeout,
+                notebooks_dir=notebooks_dir,
+                results_root=root,
+                progress=False,
+            )
             seconds[n] = time.perf_counter() - t0
             folders[n] = root / ("benchmark" if code == 0 else f"benchmark{PARTIAL_SUFFIX}")
             summary = json.loads((folders[n] / "run.json").read_text(encoding="utf-8"))
             peak = summary.get("peak_rss_sum_bytes")
-            out(f"--jobs {summary['jobs']}: {seconds[n]:7.1f} s  {'all notebooks ok' if code == 0 else 'a notebook failed'}"
-                + (f"; kernels' peak RSS together {peak / 2**30:.2f} GiB" if peak else ""))
+            out(
+                f"--jobs {summary['jobs']}: {seconds[n]:7.1f} s  {'all notebooks ok' if code == 0 else 'a notebook failed'}"
+                + (f"; kernels' peak RSS together {peak / 2**30:.2f} GiB" if peak else "")
+            )
         ratio = seconds[1] / seconds[jobs]
         out(f"ratio (--jobs 1 time / --jobs {jobs} time): {ratio:.2f}")
         differences = compare_runs(folders[1], folders[jobs])
-        out("records and executed outputs: identical apart from times" if not differences else
-            "records and executed outputs differ beyond times:\n  " + "\n  ".join(differences))
+        out(
+            "records and executed outputs: identical apart from times"
+            if not differences
+            else "records and executed outputs differ beyond times:\n  " + "\n  ".join(differences)
+        )
     return ratio

@@ -33,8 +33,21 @@ from torch.utils._pytree import tree_flatten
 from trainmech import graph
 from trainmech.checks import ClaimFailed, close, dtype_name
 
-__all__ = ["SavedStorage", "Activation", "ForwardRecord", "record_forward", "AutogradVJP", "autograd_vjp",
-           "compare_vjp", "storage_bytes", "storage_summary", "describe", "format_table", "saved_table", "activation_table"]
+__all__ = [
+    "SavedStorage",
+    "Activation",
+    "ForwardRecord",
+    "record_forward",
+    "AutogradVJP",
+    "autograd_vjp",
+    "compare_vjp",
+    "storage_bytes",
+    "storage_summary",
+    "describe",
+    "format_table",
+    "saved_table",
+    "activation_table",
+]
 
 
 def _key(t: torch.Tensor) -> tuple[str, int]:
@@ -114,8 +127,17 @@ class _Recorder(TorchDispatchMode):
                 self.known.add(_key(t))
                 self.held.append(t)
                 name = func.overloadpacket.__name__
-                self.rows.append(Activation(self.where(), name, tuple(t.shape), t.dtype,
-                                            t.untyped_storage().nbytes(), False, _key(t)))
+                self.rows.append(
+                    Activation(
+                        self.where(),
+                        name,
+                        tuple(t.shape),
+                        t.dtype,
+                        t.untyped_storage().nbytes(),
+                        False,
+                        _key(t),
+                    )
+                )
         return out
 
 
@@ -147,8 +169,9 @@ class ForwardRecord:
         if k in self._saved:
             self._saved[k].times += 1
         else:
-            self._saved[k] = SavedStorage(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(),
-                                         k in self.references, key=k)
+            self._saved[k] = SavedStorage(
+                tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), k in self.references, key=k
+            )
         return t.detach()  # the same memory without grad_fn: no reference cycle through the graph
 
     @staticmethod
@@ -225,8 +248,10 @@ class ForwardRecord:
             if id(module) in self._names and self._stack:
                 self._stack.pop()
 
-        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
-                         torch.nn.modules.module.register_module_forward_hook(post, always_call=True)]
+        self._handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(pre),
+            torch.nn.modules.module.register_module_forward_hook(post, always_call=True),
+        ]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._recorder = _Recorder(self._where)
         self._hooks.__enter__()
@@ -270,9 +295,12 @@ def autograd_vjp(fn, inputs, grad_out, *, constants=(), references=()) -> Autogr
     Float inputs become leaves that share the caller's memory (so `references`, e.g. the weights,
     are recognised); inputs at the indices in `constants` (rope's cos / sin) get no gradient.
     """
-    leaves = [t.detach().requires_grad_(True)
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constants else t
-              for i, t in enumerate(inputs)]
+    leaves = [
+        t.detach().requires_grad_(True)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constants
+        else t
+        for i, t in enumerate(inputs)
+    ]
     with record_forward(references=references) as m:
         out = fn(*leaves)
     m.find_consumers(out)
@@ -281,8 +309,9 @@ def autograd_vjp(fn, inputs, grad_out, *, constants=(), references=()) -> Autogr
     return AutogradVJP(out.detach(), grads, m.saved, m.saved_bytes)
 
 
-def compare_vjp(name: str, out: torch.Tensor, grads, run: AutogradVJP, *, rtol: float,
-                input_names=None) -> tuple[float, float]:
+def compare_vjp(
+    name: str, out: torch.Tensor, grads, run: AutogradVJP, *, rtol: float, input_names=None
+) -> tuple[float, float]:
     """One `close` line for the output and for each input gradient (ours vs autograd's); raises on
     a mismatch or where one side has a gradient and the other has not. Returns (max |Δ| of the
     output, max |Δ| over the gradients)."""
@@ -299,19 +328,29 @@ def compare_vjp(name: str, out: torch.Tensor, grads, run: AutogradVJP, *, rtol: 
 
 def describe(saved) -> str:
     """One line naming what a hand-written `saved` dict holds: 'x (2, 16, 64) · weight (64,) · dim=-1'."""
-    parts = [f"{k} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"{k}={v!r}" for k, v in saved.items()]
+    parts = [
+        f"{k} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"{k}={v!r}" for k, v in saved.items()
+    ]
     return " · ".join(parts)
 
 
 def format_table(header: list[str], rows: list[list]) -> str:
     """A plain-text table with columns padded to their widest cell (numbers right-aligned)."""
-    cells = [[str(c) for c in header]] + [[f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else str(c)
-                                           for c in row] for row in rows]
+    cells = [[str(c) for c in header]] + [
+        [f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else str(c) for c in row] for row in rows
+    ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [all(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in rows) for i in range(len(header))]
+    numeric = [
+        all(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in rows)
+        for i in range(len(header))
+    ]
     lines = []
     for j, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if numeric[i] and j else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                c.rjust(w) if numeric[i] and j else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+            ).rstrip()
+        )
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -322,8 +361,17 @@ def saved_table(rows: list[SavedStorage]) -> str:
     reference), how many nodes saved it, and the backward nodes that read it."""
     return format_table(
         ["shape", "dtype", "new bytes", "saves", "read by (backward nodes)"],
-        [[r.shape, dtype_name(r.dtype), 0 if r.reference else r.nbytes, r.times,
-          ", ".join(r.consumers) + ("  [parameter]" if r.reference else "")] for r in rows])
+        [
+            [
+                r.shape,
+                dtype_name(r.dtype),
+                0 if r.reference else r.nbytes,
+                r.times,
+                ", ".join(r.consumers) + ("  [parameter]" if r.reference else ""),
+            ]
+            for r in rows
+        ],
+    )
 
 
 def activation_table(m: ForwardRecord) -> str:
@@ -331,4 +379,5 @@ def activation_table(m: ForwardRecord) -> str:
     bytes, and which backward nodes read it ('-' = never saved)."""
     return format_table(
         ["where", "op", "shape", "bytes", "read by (backward nodes)"],
-        [[a.where, a.op, a.shape, a.nbytes, ", ".join(m.consumers_of(a)) or "-"] for a in m.activations])
+        [[a.where, a.op, a.shape, a.nbytes, ", ".join(m.consumers_of(a)) or "-"] for a in m.activations],
+    )

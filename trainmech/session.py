@@ -25,6 +25,17 @@ from trainmech import checks, profiles, results, workload
 from trainmech.errors import TrainmechError
 from trainmech.results import REPO_ROOT, RESULTS_ENV  # noqa: F401  (re-exported: notebooks import them from here)
 
+__all__ = [
+    "CPU_THREADS",
+    "NUMERIC_ENV",
+    "seed_everything",
+    "cpu_model",
+    "provenance",
+    "capture_environment",
+    "Session",
+    "start",
+]
+
 CPU_THREADS = 1  # intra-op threads of a CPU-mode session (see start)
 NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")  # variables that pick other CPU kernels or MKL code paths
 
@@ -52,7 +63,9 @@ def cpu_model() -> str | None:
         pass
     if sys.platform == "darwin":
         try:
-            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5)
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+            )
             if out.stdout.strip():
                 return out.stdout.strip()
         except (OSError, subprocess.SubprocessError):
@@ -139,9 +152,13 @@ class Session:
         """One line a notebook prints: mode, profile, device, seed (nothing version-dependent)."""
         return f"run_mode={self.run_mode}  profile={self.profile.profile_id}  device={self.device.type}  seed={self.seed}"
 
-    def build_model(self, model: str | None = None, *, dtype: torch.dtype = torch.float32, **kwargs) -> workload.BuiltModel:
+    def build_model(
+        self, model: str | None = None, *, dtype: torch.dtype = torch.float32, **kwargs
+    ) -> workload.BuiltModel:
         """The profile's model (default: the profile's default model) on this session's device."""
-        return workload.build_model(self.profile.model(model), seed=self.seed, dtype=dtype, device=self.device, **kwargs)
+        return workload.build_model(
+            self.profile.model(model), seed=self.seed, dtype=dtype, device=self.device, **kwargs
+        )
 
     def record(
         self,
@@ -218,7 +235,9 @@ def start(
             f"run mode {run_mode} needs a CUDA GPU, but torch {torch.__version__} sees none on this machine; "
             "use RUN_MODE = 'cpu' here"
         )
-    device = torch.device("cuda", torch.cuda.current_device()) if profile.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if profile.device == "cuda" else torch.device("cpu")
+    )
     seed_everything(seed)
     if device.type == "cpu":
         # CPU mode is the reference run: same inputs, same outputs, bit for bit, on any machine.

@@ -22,8 +22,12 @@ from trainmech.gates import Verdict
 from trainmech.offload import TransferStats
 from trainmech.tracing import Performance, Trace
 
-MEASURED_WITH = {"cuda": "torch.cuda.max_memory_reserved / max_memory_allocated (one steady update, cache emptied)",
-                 "cpu": "trainmech.measure.StorageTracker (tensor storages born in one steady update)"}
+__all__ = ["MEASURED_WITH", "StrategyRun", "ledger_fields", "timing_table"]
+
+MEASURED_WITH = {
+    "cuda": "torch.cuda.max_memory_reserved / max_memory_allocated (one steady update, cache emptied)",
+    "cpu": "trainmech.measure.StorageTracker (tensor storages born in one steady update)",
+}
 
 
 @dataclass
@@ -50,41 +54,90 @@ class StrategyRun:
         p, ref, e = self.performance, self.reference_performance, self.verdict.evidence
         on_gpu = p is not None and p.on_gpu
         outcome, reason = self.decision()
-        resources = {"peak_allocated_bytes": p.peak_allocated_bytes, "peak_reserved_bytes": p.peak_reserved_bytes,
-                     "step_time_median_s": p.step_time_median_s, "step_time_p95_s": p.step_time_p95_s,
-                     "transfer_bytes": None, "recompute_count": None}
-        metrics = {"outcome": outcome, "decision_reason": reason, "windows_compared": e["windows_compared"],
-                   "grad_rtol": e["rtol"], "measured_with": MEASURED_WITH["cuda" if on_gpu else "cpu"],
-                   "forward_backward_allocated_bytes": p.forward_backward_allocated_bytes,
-                   "forward_backward_reserved_bytes": p.forward_backward_reserved_bytes, "cuda_context_bytes": p.cuda_context_bytes,
-                   "cpu_tracked_peak_bytes": None if on_gpu else p.tracked_peak_bytes,
-                   "cpu_tracked_forward_backward_bytes": None if on_gpu else p.tracked_forward_backward_bytes,
-                   "baseline_step_time_median_s": ref.step_time_median_s, "baseline_peak_reserved_bytes": ref.peak_reserved_bytes,
-                   "baseline_cpu_tracked_peak_bytes": None if on_gpu else ref.tracked_peak_bytes,
-                   "timed_updates": p.repeats, "warmup_updates": p.warmup}
+        resources = {
+            "peak_allocated_bytes": p.peak_allocated_bytes,
+            "peak_reserved_bytes": p.peak_reserved_bytes,
+            "step_time_median_s": p.step_time_median_s,
+            "step_time_p95_s": p.step_time_p95_s,
+            "transfer_bytes": None,
+            "recompute_count": None,
+        }
+        metrics = {
+            "outcome": outcome,
+            "decision_reason": reason,
+            "windows_compared": e["windows_compared"],
+            "grad_rtol": e["rtol"],
+            "measured_with": MEASURED_WITH["cuda" if on_gpu else "cpu"],
+            "forward_backward_allocated_bytes": p.forward_backward_allocated_bytes,
+            "forward_backward_reserved_bytes": p.forward_backward_reserved_bytes,
+            "cuda_context_bytes": p.cuda_context_bytes,
+            "cpu_tracked_peak_bytes": None if on_gpu else p.tracked_peak_bytes,
+            "cpu_tracked_forward_backward_bytes": None if on_gpu else p.tracked_forward_backward_bytes,
+            "baseline_step_time_median_s": ref.step_time_median_s,
+            "baseline_peak_reserved_bytes": ref.peak_reserved_bytes,
+            "baseline_cpu_tracked_peak_bytes": None if on_gpu else ref.tracked_peak_bytes,
+            "timed_updates": p.repeats,
+            "warmup_updates": p.warmup,
+        }
         if self.recompute is not None:  # counted over one update
             resources["recompute_count"] = self.recompute.recomputed_ops
-            metrics |= {"checkpointed_layers": self.checkpointed_layers, "forward_ops_per_update": self.recompute.forward_ops,
-                        "saved_ops_per_update": self.recompute.saved_ops}
+            metrics |= {
+                "checkpointed_layers": self.checkpointed_layers,
+                "forward_ops_per_update": self.recompute.forward_ops,
+                "saved_ops_per_update": self.recompute.saved_ops,
+            }
         if self.transfer is not None:
             first = self.transfer[0]
             resources["transfer_bytes"] = first.d2h_bytes + first.h2d_bytes
-            metrics |= {k: getattr(first, k) for k in ("d2h_bytes", "h2d_bytes", "packed", "offloaded", "shared", "kept_params",
-                                                       "kept_small", "kept_exempt", "prefetched", "on_demand", "stash_peak_bytes",
-                                                       "host_peak_bytes")}
-            metrics |= {"exposed_transfer_time_s": p.exposed_transfer_s, "transfer_time_s": p.transfer_s, **(self.offload_settings or {})}
+            metrics |= {
+                k: getattr(first, k)
+                for k in (
+                    "d2h_bytes",
+                    "h2d_bytes",
+                    "packed",
+                    "offloaded",
+                    "shared",
+                    "kept_params",
+                    "kept_small",
+                    "kept_exempt",
+                    "prefetched",
+                    "on_demand",
+                    "stash_peak_bytes",
+                    "host_peak_bytes",
+                )
+            }
+            metrics |= {
+                "exposed_transfer_time_s": p.exposed_transfer_s,
+                "transfer_time_s": p.transfer_s,
+                **(self.offload_settings or {}),
+            }
         return {
-            "correctness": {"output_max_abs_error": e["loss_abs_error"], "grad_max_abs_error": e["grad_max_abs_error"],
-                            "all_finite": all(tr for tr in self.trace.finite), "skipped_updates": 0,
-                            "effective_updates": sum(self.trace.stepped)},
+            "correctness": {
+                "output_max_abs_error": e["loss_abs_error"],
+                "grad_max_abs_error": e["grad_max_abs_error"],
+                "all_finite": all(tr for tr in self.trace.finite),
+                "skipped_updates": 0,
+                "effective_updates": sum(self.trace.stepped),
+            },
             "resources": resources,
-            "conclusion": {"decision": None if outcome is None else gates.RECORD_DECISION[outcome], "next_step": next_step},
+            "conclusion": {
+                "decision": None if outcome is None else gates.RECORD_DECISION[outcome],
+                "next_step": next_step,
+            },
             "metrics": metrics,
         }
 
 
-def ledger_fields(name: str, book: ledger.Ledger, step, baseline_step, baseline_book: ledger.Ledger, *,
-                  model: str, min_bytes: int | None) -> dict:
+def ledger_fields(
+    name: str,
+    book: ledger.Ledger,
+    step,
+    baseline_step,
+    baseline_book: ledger.Ledger,
+    *,
+    model: str,
+    min_bytes: int | None,
+) -> dict:
     """TRAIN-STATE-LEDGER after a strategy: the ledger's prediction beside the measured step (Task4's definition of
     the measured peak: the allocator's on CUDA, the tracked tensor bytes elsewhere)."""
     measured = ledger.Comparison(model, book.batch, book.seq, "steady", book, step)
@@ -92,19 +145,33 @@ def ledger_fields(name: str, book: ledger.Ledger, step, baseline_step, baseline_
     pred = book.peak_overlap()
     on_gpu = step.step_peak_allocated_bytes is not None
     return {
-        "resources": {"peak_allocated_bytes": step.peak_allocated_bytes, "peak_reserved_bytes": step.peak_reserved_bytes,
-                      "transfer_bytes": None, "recompute_count": None},
+        "resources": {
+            "peak_allocated_bytes": step.peak_allocated_bytes,
+            "peak_reserved_bytes": step.peak_reserved_bytes,
+            "transfer_bytes": None,
+            "recompute_count": None,
+        },
         "conclusion": {"next_step": "Task6: correctness gate, then the GPU re-measurement of this strategy"},
-        "metrics": {"predicted_peak_bytes": pred.bytes, "predicted_peak_phase": pred.phase, "predicted_peak_tick": pred.tick,
-                    "measured_peak_bytes": measured.measured_peak, "measured_peak_phase": step.peak_phase,
-                    "peak_error": measured.error, "baseline_measured_peak_bytes": base.measured_peak,
-                    "peak_change": measured.measured_peak / base.measured_peak - 1,
-                    "predicted_forward_backward_bytes": book.forward_backward_peak().bytes,
-                    "predicted_by_category": pred.by_category, "measured_by_category": step.by_category(),
-                    "checkpointing": book.checkpointing, "min_bytes": min_bytes, "strategy": name,
-                    "measured_with": "torch.cuda.max_memory_allocated minus what lay outside the step (Task4)" if on_gpu
-                    else "trainmech.measure.StorageTracker (tensor storages)",
-                    "cpu_tracked_peak_bytes": None if on_gpu else step.peak_bytes},
+        "metrics": {
+            "predicted_peak_bytes": pred.bytes,
+            "predicted_peak_phase": pred.phase,
+            "predicted_peak_tick": pred.tick,
+            "measured_peak_bytes": measured.measured_peak,
+            "measured_peak_phase": step.peak_phase,
+            "peak_error": measured.error,
+            "baseline_measured_peak_bytes": base.measured_peak,
+            "peak_change": measured.measured_peak / base.measured_peak - 1,
+            "predicted_forward_backward_bytes": book.forward_backward_peak().bytes,
+            "predicted_by_category": pred.by_category,
+            "measured_by_category": step.by_category(),
+            "checkpointing": book.checkpointing,
+            "min_bytes": min_bytes,
+            "strategy": name,
+            "measured_with": "torch.cuda.max_memory_allocated minus what lay outside the step (Task4)"
+            if on_gpu
+            else "trainmech.measure.StorageTracker (tensor storages)",
+            "cpu_tracked_peak_bytes": None if on_gpu else step.peak_bytes,
+        },
     }
 
 
@@ -113,13 +180,17 @@ def timing_table(runs: dict[str, StrategyRun]) -> str:
     baseline's, reserved and allocated peaks of a steady update and reserved of its forward + backward, and for
     an offload its exposed and total transfer seconds per update."""
     cell = lambda v, fmt: f"{v:{fmt}}" if v is not None else "—"  # noqa: E731
-    lines = [f"{'strategy':<19} {'median s':>9} {'P95 s':>8} {'x median':>9} {'reserved':>15} {'allocated':>15} "
-             f"{'fwd+bwd reserved':>17} {'exposed s':>10} {'transfer s':>11}"]
+    lines = [
+        f"{'strategy':<19} {'median s':>9} {'P95 s':>8} {'x median':>9} {'reserved':>15} {'allocated':>15} "
+        f"{'fwd+bwd reserved':>17} {'exposed s':>10} {'transfer s':>11}"
+    ]
     for name, run in runs.items():
         p, ref = run.performance, run.reference_performance
         if p is None:
             continue
-        lines.append(f"{name:<19} {p.step_time_median_s:>9.4f} {p.step_time_p95_s:>8.4f} {p.step_time_median_s / ref.step_time_median_s:>9.2f} "
-                     f"{cell(p.peak_reserved_bytes, ','):>15} {cell(p.peak_allocated_bytes, ','):>15} "
-                     f"{cell(p.forward_backward_reserved_bytes, ','):>17} {cell(p.exposed_transfer_s, '.4f'):>10} {cell(p.transfer_s, '.4f'):>11}")
+        lines.append(
+            f"{name:<19} {p.step_time_median_s:>9.4f} {p.step_time_p95_s:>8.4f} {p.step_time_median_s / ref.step_time_median_s:>9.2f} "
+            f"{cell(p.peak_reserved_bytes, ','):>15} {cell(p.peak_allocated_bytes, ','):>15} "
+            f"{cell(p.forward_backward_reserved_bytes, ','):>17} {cell(p.exposed_transfer_s, '.4f'):>10} {cell(p.transfer_s, '.4f'):>11}"
+        )
     return "\n".join(lines)

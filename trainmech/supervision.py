@@ -31,13 +31,27 @@ from trainmech.errors import TrainmechError
 from trainmech.measure import cuda_allocated, cuda_peaks, reset_cuda_peaks, time_stats, timed
 from trainmech.workload import IGNORE_INDEX, split_micro_batches, supervised_tokens, uneven_batch
 
+__all__ = [
+    "NORMALIZATIONS",
+    "Window",
+    "token_loss_sum",
+    "denominators",
+    "token_weights",
+    "count_tokens",
+    "accumulate_gradients",
+    "AccumulationResult",
+    "accumulation_experiment",
+]
+
 NORMALIZATIONS = ("window_tokens", "micro_mean")
 
 
 class Window(NamedTuple):
     """What one accumulation window produced: its loss (as the normalisation defines it) and counts."""
 
-    loss: torch.Tensor  # 0-dim float64 on the model's device, detached: the sum of the back-propagated micro-batch losses
+    loss: (
+        torch.Tensor
+    )  # 0-dim float64 on the model's device, detached: the sum of the back-propagated micro-batch losses
     effective_tokens: int  # supervised tokens of the whole window, after the causal shift
     micro_tokens: tuple[int, ...]  # supervised tokens of each micro-batch
 
@@ -55,7 +69,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(shifted, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def denominators(micro_tokens: list[int] | tuple[int, ...], normalization: str = "window_tokens") -> list[int]:
+def denominators(
+    micro_tokens: list[int] | tuple[int, ...], normalization: str = "window_tokens"
+) -> list[int]:
     """What each micro-batch's summed token loss is divided by (exact integers).
 
     window_tokens: the window's total N for every micro-batch. micro_mean: n * N_i. Refuses an
@@ -84,7 +100,9 @@ def denominators(micro_tokens: list[int] | tuple[int, ...], normalization: str =
     return [len(micro_tokens) * n for n in micro_tokens]
 
 
-def token_weights(micro_tokens: list[int] | tuple[int, ...], normalization: str = "window_tokens") -> list[float]:
+def token_weights(
+    micro_tokens: list[int] | tuple[int, ...], normalization: str = "window_tokens"
+) -> list[float]:
     """The weight one supervised token of each micro-batch carries in the window's loss."""
     return [1.0 / d for d in denominators(micro_tokens, normalization)]
 
@@ -97,7 +115,9 @@ def count_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> tuple[int, ...
     """
     if not micro_batches:
         return ()
-    counts = torch.stack([(mb["labels"][:, 1:] != IGNORE_INDEX).sum() for mb in micro_batches])  # (n,) on the device
+    counts = torch.stack(
+        [(mb["labels"][:, 1:] != IGNORE_INDEX).sum() for mb in micro_batches]
+    )  # (n,) on the device
     return tuple(int(n) for n in counts.tolist())
 
 
@@ -138,9 +158,13 @@ def accumulate_gradients(
             for context in contexts:
                 stack.enter_context(context(model))
             with autocast() if autocast is not None else nullcontext():
-                logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], **(forward_kwargs or {})).logits
+                logits = model(
+                    input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], **(forward_kwargs or {})
+                ).logits
                 loss = token_loss_sum(logits, mb["labels"]) / divisor  # (B_i, T_i, V) -> (), float32 or wider
-            (scale(loss) if scale is not None else loss).backward()  # adds this share into .grad; frees its graph
+            (
+                scale(loss) if scale is not None else loss
+            ).backward()  # adds this share into .grad; frees its graph
         share = loss.detach().double()
         window_loss = share if window_loss is None else window_loss + share  # stays on the device
     return Window(window_loss, sum(micro_tokens), micro_tokens)
@@ -172,13 +196,18 @@ class AccumulationResult:
 
     def table(self) -> str:
         """The splits as printed lines: window_tokens as a verdict (≤ 1e-6), micro_mean with 2 digits."""
-        lines = [f"{self.workload_id}: effective batch = {self.workload.batch} sequences, {self.effective_tokens} "
-                 "supervised tokens, whatever the split"]
+        lines = [
+            f"{self.workload_id}: effective batch = {self.workload.batch} sequences, {self.effective_tokens} "
+            "supervised tokens, whatever the split"
+        ]
         for (n, norm), (rel, dloss, tokens) in self.rows.items():
             head = f"  {n} micro-batches {str(tokens):<18} {norm:<13}"
             if norm == "window_tokens":
                 ok = rel <= 1e-6 and dloss <= 1e-5
-                lines.append(f"{head} grad rel error " + ("≤ 1e-6  loss Δ ≤ 1e-5" if ok else f"{rel:.1e}  loss Δ {dloss:.1e}"))
+                lines.append(
+                    f"{head} grad rel error "
+                    + ("≤ 1e-6  loss Δ ≤ 1e-5" if ok else f"{rel:.1e}  loss Δ {dloss:.1e}")
+                )
             else:
                 lines.append(f"{head} grad rel error {num(rel, 2):<7} loss Δ {num(dloss, 1)}")
         return "\n".join(lines)
@@ -189,14 +218,18 @@ class AccumulationResult:
             return "  peaks: not measured on CPU (null in the record); step times: in the record only"
         gib, lines = 2**30, []
         for n, s in self.stats.items():
-            lines.append(f"  {n} micro-batch(es): peak allocated {s['peak_allocated_bytes'] / gib:.2f} GiB "
-                         f"(+{(s['peak_allocated_bytes'] - s['base_allocated_bytes']) / gib:.2f} over the base), reserved "
-                         f"{s['peak_reserved_bytes'] / gib:.2f} GiB, median {s['step_time_median_s'] * 1e3:.1f} ms, "
-                         f"P95 {s['step_time_p95_s'] * 1e3:.1f} ms")
+            lines.append(
+                f"  {n} micro-batch(es): peak allocated {s['peak_allocated_bytes'] / gib:.2f} GiB "
+                f"(+{(s['peak_allocated_bytes'] - s['base_allocated_bytes']) / gib:.2f} over the base), reserved "
+                f"{s['peak_reserved_bytes'] / gib:.2f} GiB, median {s['step_time_median_s'] * 1e3:.1f} ms, "
+                f"P95 {s['step_time_p95_s'] * 1e3:.1f} ms"
+            )
         top, full = self.stats[max(self.stats)], self.stats[1]
-        lines.append(f"  ours: peak {100 * (top['peak_allocated_bytes'] / full['peak_allocated_bytes'] - 1):+.1f}%, median "
-                     f"{100 * (top['step_time_median_s'] / full['step_time_median_s'] - 1):+.1f}% ({max(self.stats)} "
-                     f"micro-batches vs full); registry: {reference}")
+        lines.append(
+            f"  ours: peak {100 * (top['peak_allocated_bytes'] / full['peak_allocated_bytes'] - 1):+.1f}%, median "
+            f"{100 * (top['step_time_median_s'] / full['step_time_median_s'] - 1):+.1f}% ({max(self.stats)} "
+            f"micro-batches vs full); registry: {reference}"
+        )
         return "\n".join(lines)
 
     def record_fields(self) -> dict:
@@ -205,22 +238,38 @@ class AccumulationResult:
         window_tokens = [(rel, d) for (_, norm), (rel, d, _) in self.rows.items() if norm == "window_tokens"]
         metrics = {f"grad_rel_error_mb{n}_{norm}": rel for (n, norm), (rel, _, _) in self.rows.items()}
         metrics |= {f"loss_abs_error_mb{n}_{norm}": d for (n, norm), (_, d, _) in self.rows.items()}
-        metrics |= {f"micro_tokens_mb{n}": list(t) for (n, norm), (_, _, t) in self.rows.items() if norm == "window_tokens"}
+        metrics |= {
+            f"micro_tokens_mb{n}": list(t)
+            for (n, norm), (_, _, t) in self.rows.items()
+            if norm == "window_tokens"
+        }
         for n, s in self.stats.items():
             metrics |= {f"{k}_mb{n}": v for k, v in s.items()}
         return dict(
-            built=self.built, input_shape=self.input_shape, candidate=f"micro_batches={top}",
+            built=self.built,
+            input_shape=self.input_shape,
+            candidate=f"micro_batches={top}",
             effective_batch={"sequences": self.workload.batch, "supervised_tokens": self.effective_tokens},
-            dtype="float32", update_count=self.workload.updates,
-            correctness={"output_max_abs_error": max(d for _, d in window_tokens), "grad_max_abs_error": self.grad_max_abs_error,
-                         "all_finite": True, "skipped_updates": 0, "effective_updates": self.workload.updates},
+            dtype="float32",
+            update_count=self.workload.updates,
+            correctness={
+                "output_max_abs_error": max(d for _, d in window_tokens),
+                "grad_max_abs_error": self.grad_max_abs_error,
+                "all_finite": True,
+                "skipped_updates": 0,
+                "effective_updates": self.workload.updates,
+            },
             resources={k: v for k, v in self.stats[top].items() if k != "base_allocated_bytes"},
-            conclusion={"next_step": "compare peak and step time of full batch vs micro-batches on TRAIN-CUDA-MECHANISM"},
+            conclusion={
+                "next_step": "compare peak and step time of full batch vs micro-batches on TRAIN-CUDA-MECHANISM"
+            },
             metrics={**metrics, "timed_windows": self.timed_windows, "normalization": "window_tokens"},
         )
 
 
-def accumulation_experiment(session, workload_id: str, *, lr: float, warmup: int, timed_windows: int) -> AccumulationResult:
+def accumulation_experiment(
+    session, workload_id: str, *, lr: float, warmup: int, timed_windows: int
+) -> AccumulationResult:
     """The full batch against 2..n micro-batches under both normalizations, then timed AdamW updates.
 
     On a fresh model of the workload: the uneven batch's full-batch gradient is the reference for
@@ -251,7 +300,7 @@ def accumulation_experiment(session, workload_id: str, *, lr: float, warmup: int
         micro = split_micro_batches(batch, n)
         tokens = count_tokens(micro)  # counted here, outside the timed update
 
-        def one_update():
+        def one_update(micro=micro, tokens=tokens):
             optimizer.zero_grad(set_to_none=True)
             accumulate_gradients(model, micro, micro_tokens=tokens)
             optimizer.step()
@@ -262,5 +311,14 @@ def accumulation_experiment(session, workload_id: str, *, lr: float, warmup: int
         reset_cuda_peaks(device)
         seconds = [timed(one_update, device)[1] for _ in range(timed_windows)]
         stats[n] = {**time_stats(seconds), **cuda_peaks(device), "base_allocated_bytes": base}
-    return AccumulationResult(workload_id, w, built, list(batch["input_ids"].shape), supervised_tokens(batch["labels"]),
-                              rows, stats, timed_windows, grad_err)
+    return AccumulationResult(
+        workload_id,
+        w,
+        built,
+        list(batch["input_ids"].shape),
+        supervised_tokens(batch["labels"]),
+        rows,
+        stats,
+        timed_windows,
+        grad_err,
+    )

@@ -31,6 +31,21 @@ from trainmech.display import progress
 from trainmech.measure import StorageTracker, cuda_peaks, reset_cuda_peaks, time_stats, timed
 from trainmech.workload import supervised_tokens
 
+__all__ = [
+    "MIN_TIMED_FOR_P95",
+    "Trace",
+    "sequence_digests",
+    "InputLog",
+    "watch_inputs",
+    "StepLog",
+    "watch_steps",
+    "all_finite",
+    "held_out_loss",
+    "run_trace",
+    "Performance",
+    "remeasure",
+]
+
 MIN_TIMED_FOR_P95 = 21  # with fewer samples the interpolated 95th percentile is the maximum itself
 
 
@@ -39,14 +54,24 @@ class Trace:
     """What one run of a candidate through the gate workload showed."""
 
     candidate: str
-    consumed: list[list[str]] = field(default_factory=list)  # per attempt: a digest per sequence the model received
-    handed: list[str] = field(default_factory=list)  # per attempt: digest of the window handed out (ids, masks, labels)
+    consumed: list[list[str]] = field(
+        default_factory=list
+    )  # per attempt: a digest per sequence the model received
+    handed: list[str] = field(
+        default_factory=list
+    )  # per attempt: digest of the window handed out (ids, masks, labels)
     rng: list[str] = field(default_factory=list)  # per attempt: digest of the RNG state at its start
     tokens: int = 0  # visible tokens the model received
-    losses: list[float] = field(default_factory=list)  # per attempt that finished its backward: the window's loss
-    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per such attempt: its gradients, unscaled, on the CPU
+    losses: list[float] = field(
+        default_factory=list
+    )  # per attempt that finished its backward: the window's loss
+    grads: list[dict[str, torch.Tensor]] = field(
+        default_factory=list
+    )  # per such attempt: its gradients, unscaled, on the CPU
     #      (with a teacher: computed from the teacher's weights at that attempt)
-    weights: list[dict[str, torch.Tensor]] = field(default_factory=list)  # keep_weights: the parameters at each attempt's start
+    weights: list[dict[str, torch.Tensor]] = field(
+        default_factory=list
+    )  # keep_weights: the parameters at each attempt's start
     dtypes: list[str] = field(default_factory=list)  # what the Linear layers produced in the first window
     stepped: list[bool] = field(default_factory=list)  # per attempt: optimizer.step() ran
     finite: list[bool] = field(default_factory=list)  # per attempt: every parameter finite afterwards
@@ -57,7 +82,9 @@ class Trace:
     held_out_before: float | None = None  # held-out token loss of the initial weights
     held_out_loss: float | None = None  # … after every attempt
     loss_scale: float | None = None  # FP16: the calibrated scale the run started from
-    scale_halvings: int = 0  # FP16: halvings the calibration needed (GradScaler's start-up, not the candidate's skips)
+    scale_halvings: int = (
+        0  # FP16: halvings the calibration needed (GradScaler's start-up, not the candidate's skips)
+    )
     error: str | None = None  # "attempt k, backward: RuntimeError: ..." when the candidate raised
 
     @property
@@ -78,8 +105,11 @@ def _rng_digest(device: torch.device) -> str:
     return _digest(*states)
 
 
-def sequence_digests(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                     position_ids: torch.Tensor | None = None) -> list[str]:
+def sequence_digests(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> list[str]:
     """One digest per sequence the model may see: per row, the visible tokens (attention_mask 1), cut
     where position_ids restart at 0 (packed rows). Re-splitting, reordering or packing keeps the multiset."""
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
@@ -167,7 +197,9 @@ def held_out_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> flo
     """Mean token loss (nats) over the batch's supervised tokens, in float32, without gradients."""
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits
         loss = supervision.token_loss_sum(logits, batch["labels"]).item() / supervised_tokens(batch["labels"])
     model.train()
     return loss
@@ -192,8 +224,9 @@ def _scale(state) -> float:
     return state.scaler.get_scale() if state.scaler.is_enabled() else 1.0
 
 
-def _from_weights(cand: Candidate, state, window, weights: dict[str, torch.Tensor],
-                  params: dict[str, torch.nn.Parameter]) -> tuple[float, dict[str, torch.Tensor]]:
+def _from_weights(
+    cand: Candidate, state, window, weights: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter]
+) -> tuple[float, dict[str, torch.Tensor]]:
     """The candidate's backward from `weights` (the teacher's at this attempt), on top of whatever the candidate
     left in .grad, under the current RNG state: (loss, unscaled gradients on the CPU). The candidate's own
     weights, its .grad and the RNG state are put back afterwards, so its own run goes on untouched."""
@@ -205,7 +238,9 @@ def _from_weights(cand: Candidate, state, window, weights: dict[str, torch.Tenso
         for n, p in params.items():
             p.copy_(weights[n])
     loss = cand.backward(state, window)
-    grads = {n: p.grad.detach().float().cpu() / _scale(state) for n, p in params.items() if p.grad is not None}
+    grads = {
+        n: p.grad.detach().float().cpu() / _scale(state) for n, p in params.items() if p.grad is not None
+    }
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(own[n])
@@ -219,8 +254,14 @@ def _same_weights(params: dict[str, torch.nn.Parameter], weights: dict[str, torc
     return all(torch.equal(p.detach().cpu(), weights[n]) for n, p in params.items())
 
 
-def run_trace(cand: Candidate, gw: GateWorkload, *, seed: int | None = None, teacher: Trace | None = None,
-              keep_weights: bool = False) -> Trace:
+def run_trace(
+    cand: Candidate,
+    gw: GateWorkload,
+    *,
+    seed: int | None = None,
+    teacher: Trace | None = None,
+    keep_weights: bool = False,
+) -> Trace:
     """Run the candidate through every attempt of the gate workload from the initial weights, watching what
     the model receives, every window's gradients, the first window's dtypes, every optimizer step and the
     held-out loss. An exception from the candidate ends the run and is kept in `error`. seed: the RNG seed
@@ -245,15 +286,22 @@ def run_trace(cand: Candidate, gw: GateWorkload, *, seed: int | None = None, tea
         with watch_inputs(model) as inputs, watch_steps(state.optimizer) as steps:
             for attempt, window in enumerate(gw.windows):
                 inputs.windows.append([])
-                trace.handed.append(_digest(*[mb[k] for mb in window for k in ("input_ids", "attention_mask", "labels")],
-                                            torch.tensor([attempt in gw.inject_at])))
+                trace.handed.append(
+                    _digest(
+                        *[mb[k] for mb in window for k in ("input_ids", "attention_mask", "labels")],
+                        torch.tensor([attempt in gw.inject_at]),
+                    )
+                )
                 trace.rng.append(_rng_digest(gw.device))
                 trace.attempt_lrs.append(state.optimizer.param_groups[0]["lr"])
                 if keep_weights:
                     trace.weights.append({n: p.detach().to("cpu", copy=True) for n, p in params.items()})
                 stage, before = "backward", steps.steps
                 try:
-                    with _nan_logits(model, attempt in gw.inject_at), amp.activation_dtypes(model, ("Linear",)) as dtypes:
+                    with (
+                        _nan_logits(model, attempt in gw.inject_at),
+                        amp.activation_dtypes(model, ("Linear",)) as dtypes,
+                    ):
                         forced = teacher is not None and not _same_weights(params, teacher.weights[attempt])
                         if forced:  # the candidate's own updates moved it off the teacher's weights
                             inputs.paused = True
@@ -261,8 +309,14 @@ def run_trace(cand: Candidate, gw: GateWorkload, *, seed: int | None = None, tea
                             inputs.paused = False
                         own = cand.backward(state, window)
                     if not forced:  # its own pass is the pass from the teacher's weights
-                        loss, grads = float(own), {n: p.grad.detach().float().cpu() / _scale(state)
-                                                   for n, p in params.items() if p.grad is not None}
+                        loss, grads = (
+                            float(own),
+                            {
+                                n: p.grad.detach().float().cpu() / _scale(state)
+                                for n, p in params.items()
+                                if p.grad is not None
+                            },
+                        )
                     trace.losses.append(loss)
                     trace.grads.append(grads)
                     if attempt == 0:
@@ -294,15 +348,23 @@ class Performance:
     step_time_median_s: float
     step_time_p95_s: float
     peak_allocated_bytes: int | None  # CUDA allocator over one steady update (forward, backward, step)
-    peak_reserved_bytes: int | None  # … reserved from the device, the cache emptied first: what an OOM is about
+    peak_reserved_bytes: (
+        int | None
+    )  # … reserved from the device, the cache emptied first: what an OOM is about
     forward_backward_allocated_bytes: int | None  # the same two over the forward + backward alone
     forward_backward_reserved_bytes: int | None
-    cuda_context_bytes: int | None  # device memory in use outside this process's allocator (the CUDA context, others)
-    bytes_per_row: int  # what one more sequence in a micro-batch adds to the bytes alive at the end of its forward
+    cuda_context_bytes: (
+        int | None
+    )  # device memory in use outside this process's allocator (the CUDA context, others)
+    bytes_per_row: (
+        int  # what one more sequence in a micro-batch adds to the bytes alive at the end of its forward
+    )
     #                     (CUDA: allocated; elsewhere tracked): the capacity criterion, what the largest micro-batch that fits hinges on
     tracked_peak_bytes: int  # tensor storages born in one steady update, at their peak (any device)
     tracked_forward_backward_bytes: int  # … before the optimizer step
-    exposed_transfer_s: float | None  # offload, CUDA: the compute stream's waits for copies per update (median)
+    exposed_transfer_s: (
+        float | None
+    )  # offload, CUDA: the compute stream's waits for copies per update (median)
     transfer_s: float | None  # offload, CUDA: copy time on the side streams per update (median)
     warmup: int
     repeats: int
@@ -325,8 +387,15 @@ def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | N
     for i in range(max(warmup, 1)):  # at least one: the optimizer's moments exist, as in every later update
         _attempt(cand, state, clean[i % len(clean)])
     window = clean[max(warmup, 1) % len(clean)]
-    out = dict.fromkeys(("peak_allocated_bytes", "peak_reserved_bytes", "forward_backward_allocated_bytes",
-                         "forward_backward_reserved_bytes", "cuda_context_bytes"))
+    out = dict.fromkeys(
+        (
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "forward_backward_allocated_bytes",
+            "forward_backward_reserved_bytes",
+            "cuda_context_bytes",
+        )
+    )
     if gw.device.type == "cuda":
         gc.collect()  # tensors held by reference cycles go back to the allocator before the cache is emptied
         torch.cuda.empty_cache()
@@ -337,16 +406,22 @@ def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | N
         fb = cuda_peaks(gw.device)
         cand.update(state)
         whole = cuda_peaks(gw.device)
-        out.update(forward_backward_allocated_bytes=fb["peak_allocated_bytes"], forward_backward_reserved_bytes=fb["peak_reserved_bytes"],
-                   **whole)
+        out.update(
+            forward_backward_allocated_bytes=fb["peak_allocated_bytes"],
+            forward_backward_reserved_bytes=fb["peak_reserved_bytes"],
+            **whole,
+        )
     tracker = StorageTracker("backward")
     with tracker:
         cand.backward(state, window)
         forward_backward = max(tracker.live, default=0)
         tracker.phase = "update"
         cand.update(state)
-    out.update(tracked_peak_bytes=max(tracker.live, default=0), tracked_forward_backward_bytes=forward_backward,
-               bytes_per_row=_bytes_per_row(cand, state, window[0], gw.device))
+    out.update(
+        tracked_peak_bytes=max(tracker.live, default=0),
+        tracked_forward_backward_bytes=forward_backward,
+        bytes_per_row=_bytes_per_row(cand, state, window[0], gw.device),
+    )
     return out
 
 
@@ -356,11 +431,15 @@ def _end_of_forward(cand: Candidate, state, micro_batch: dict, device: torch.dev
     seen = []
     if device.type == "cuda":
         start = torch.cuda.memory_allocated(device)
-        hook = state.model.lm_head.register_forward_hook(lambda *_: seen.append(torch.cuda.memory_allocated(device) - start))
+        hook = state.model.lm_head.register_forward_hook(
+            lambda *_: seen.append(torch.cuda.memory_allocated(device) - start)
+        )
         cand.backward(state, Window([micro_batch]))
     else:
         tracker = StorageTracker("forward")
-        hook = state.model.lm_head.register_forward_hook(lambda *_: seen.append(tracker.live[-1] if tracker.live else 0))
+        hook = state.model.lm_head.register_forward_hook(
+            lambda *_: seen.append(tracker.live[-1] if tracker.live else 0)
+        )
         with tracker:
             cand.backward(state, Window([micro_batch]))
     hook.remove()
@@ -372,7 +451,9 @@ def _bytes_per_row(cand: Candidate, state, micro_batch: dict, device: torch.devi
     """The capacity slope: (alive at the end of the forward with the micro-batch's rows twice - with them once) / rows."""
     doubled = {k: torch.cat([v, v]) for k, v in micro_batch.items()}
     rows = int(micro_batch["input_ids"].shape[0])
-    return (_end_of_forward(cand, state, doubled, device) - _end_of_forward(cand, state, micro_batch, device)) // rows
+    return (
+        _end_of_forward(cand, state, doubled, device) - _end_of_forward(cand, state, micro_batch, device)
+    ) // rows
 
 
 def _transfer(cand: Candidate, attempts: int) -> tuple[float | None, float | None]:
@@ -381,13 +462,23 @@ def _transfer(cand: Candidate, attempts: int) -> tuple[float | None, float | Non
     if not runs or runs[0].exposed_transfer_s is None or attempts == 0:
         return None, None
     per = len(runs) // attempts  # instances per update (one per micro-batch)
-    chunks = [runs[k * per:(k + 1) * per] for k in range(attempts)]
-    return (statistics.median(sum(s.exposed_transfer_s for s in c) for c in chunks),
-            statistics.median(sum(s.transfer_s for s in c) for c in chunks))
+    chunks = [runs[k * per : (k + 1) * per] for k in range(attempts)]
+    return (
+        statistics.median(sum(s.exposed_transfer_s for s in c) for c in chunks),
+        statistics.median(sum(s.transfer_s for s in c) for c in chunks),
+    )
 
 
-def remeasure(cand: Candidate, reference: Candidate, gw: GateWorkload, *, warmup: int, repeats: int,
-              init_scale: float | None = None, reference_peaks: dict | None = None) -> tuple[Performance, Performance]:
+def remeasure(
+    cand: Candidate,
+    reference: Candidate,
+    gw: GateWorkload,
+    *,
+    warmup: int,
+    repeats: int,
+    init_scale: float | None = None,
+    reference_peaks: dict | None = None,
+) -> tuple[Performance, Performance]:
     """(candidate's, reference's) performance on the gate workload's clean windows.
 
     Peaks: each alone (`_peaks`). Times: both trained side by side on the same model (values do not
@@ -420,7 +511,15 @@ def remeasure(cand: Candidate, reference: Candidate, gw: GateWorkload, *, warmup
     out = []
     for c in (cand, reference):
         exposed, transfer = _transfer(c, repeats)
-        out.append(Performance(gw.device.type, **time_stats(seconds[id(c)]), **peaks[id(c)], exposed_transfer_s=exposed,
-                               transfer_s=transfer, warmup=warmup, repeats=repeats))
+        out.append(
+            Performance(
+                gw.device.type,
+                **time_stats(seconds[id(c)]),
+                **peaks[id(c)],
+                exposed_transfer_s=exposed,
+                transfer_s=transfer,
+                warmup=warmup,
+                repeats=repeats,
+            )
+        )
     return out[0], out[1]
-

@@ -25,6 +25,20 @@ from pathlib import Path
 from trainmech.errors import TrainmechError
 from trainmech.results import REPO_ROOT
 
+__all__ = [
+    "NOTEBOOKS_DIR",
+    "TWINS_DIR",
+    "FORMAT",
+    "notebooks",
+    "twin_path",
+    "render",
+    "cells",
+    "stale",
+    "write",
+    "from_text",
+    "main",
+]
+
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 TWINS_DIR = NOTEBOOKS_DIR / "text"
 FORMAT = "md:myst"
@@ -35,7 +49,9 @@ def notebooks(only: list[str] | None = None) -> list[Path]:
     if only:
         found = [p for p in found if any(p.stem == o or p.stem.startswith(o + "_") for o in only)]
         if not found:
-            raise TrainmechError(f"no notebook matches {' '.join(only)}; valid: {', '.join(p.stem.split('_')[0] for p in notebooks())}")
+            raise TrainmechError(
+                f"no notebook matches {' '.join(only)}; valid: {', '.join(p.stem.split('_')[0] for p in notebooks())}"
+            )
     return found
 
 
@@ -50,7 +66,9 @@ def render(notebook: Path) -> str:
     nb = jupytext.read(notebook)
     nb.metadata.pop("jupytext", None)
     text = jupytext.writes(nb, fmt=FORMAT)
-    return "".join(line for line in text.splitlines(keepends=True) if not line.lstrip().startswith("jupytext_version:"))
+    return "".join(
+        line for line in text.splitlines(keepends=True) if not line.lstrip().startswith("jupytext_version:")
+    )
 
 
 def cells(path: Path) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -85,7 +103,9 @@ def from_text(only: list[str]) -> list[Path]:
     for path in notebooks(only):
         text = twin_path(path)
         if not text.is_file():
-            raise TrainmechError(f"{path.stem} has no twin at {text.relative_to(REPO_ROOT)}; write it with python -m trainmech twins")
+            raise TrainmechError(
+                f"{path.stem} has no twin at {text.relative_to(REPO_ROOT)}; write it with python -m trainmech twins"
+            )
         edited, current = jupytext.read(text), jupytext.read(path)
         combined = combine_inputs_with_outputs(edited, current, fmt=FORMAT)
         combined.metadata = current.metadata
@@ -95,13 +115,22 @@ def from_text(only: list[str]) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainmech twins", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m trainmech twins",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--only", nargs="+", metavar="TaskN", help="only these notebooks")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a twin is out of step")
-    parser.add_argument("--from-text", nargs="+", metavar="TaskN", help="carry these edited twins into their notebooks")
-    parser.add_argument("--rename-ids", action="store_true", help="apply the cell-id map notebooks/cell_ids.toml to the "
-                        "notebooks, the reference pages' citations and the gpu-check keys, then write the twins (idempotent)")
+    parser.add_argument(
+        "--from-text", nargs="+", metavar="TaskN", help="carry these edited twins into their notebooks"
+    )
+    parser.add_argument(
+        "--rename-ids",
+        action="store_true",
+        help="apply the cell-id map notebooks/cell_ids.toml to the "
+        "notebooks, the reference pages' citations and the gpu-check keys, then write the twins (idempotent)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.rename_ids:
@@ -112,12 +141,16 @@ def main(argv: list[str] | None = None) -> int:
                 return rc
         if args.from_text:
             for path in from_text(args.from_text):
-                print(f"{path.relative_to(REPO_ROOT)}: inputs taken from its twin; now run python -m trainmech refresh --only {path.stem.split('_')[0]}")
+                print(
+                    f"{path.relative_to(REPO_ROOT)}: inputs taken from its twin; now run python -m trainmech refresh --only {path.stem.split('_')[0]}"
+                )
             return 0
         if args.check:
             out_of_step = stale(args.only)
             for path in out_of_step:
-                print(f"{twin_path(path).relative_to(REPO_ROOT)} is out of step with {path.name}: run python -m trainmech twins")
+                print(
+                    f"{twin_path(path).relative_to(REPO_ROOT)} is out of step with {path.name}: run python -m trainmech twins"
+                )
             return 1 if out_of_step else 0
         for path in write(args.only):
             print(f"wrote {path.relative_to(REPO_ROOT)}")

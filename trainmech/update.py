@@ -20,6 +20,33 @@ import torch
 
 from trainmech.errors import TrainmechError
 
+__all__ = [
+    "SCHEDULE_SHAPES",
+    "UpdateClock",
+    "all_finite",
+    "grads_finite",
+    "step_if_finite",
+    "wsd_multiplier",
+    "wsd_phase",
+    "set_lr",
+    "clip_coefficient",
+    "snapshot",
+    "displacement",
+    "flat_grads",
+    "MODEL_FILE",
+    "STATE_FILE",
+    "save_training_state",
+    "load_training_state",
+    "transformers_wsd",
+    "replay_schedule",
+    "AttemptLog",
+    "run_attempts",
+    "eval_loss",
+    "DynamicsRun",
+    "dynamics_run",
+    "continued_updates",
+]
+
 SCHEDULE_SHAPES = ("linear", "cosine", "1-sqrt")
 
 
@@ -148,7 +175,7 @@ def wsd_multiplier(
 
 
 def wsd_phase(step: int, *, warmup_steps: int, stable_steps: int, decay_steps: int) -> str:
-    """"warmup", "stable", "decay" or "after" for update `step`."""
+    """ "warmup", "stable", "decay" or "after" for update `step`."""
     if step < warmup_steps:
         return "warmup"
     if step < warmup_steps + stable_steps:
@@ -222,7 +249,9 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict, device: torch.d
         import numpy as np
 
         kind, pos, has_gauss, cached = meta["numpy_random"]
-        np.random.set_state((kind, tensors["rng.numpy_keys"].numpy().astype("uint32"), pos, has_gauss, cached))
+        np.random.set_state(
+            (kind, tensors["rng.numpy_keys"].numpy().astype("uint32"), pos, has_gauss, cached)
+        )
 
 
 def save_training_state(
@@ -300,7 +329,9 @@ def load_training_state(
             state.setdefault(int(index), {})[key] = value
     for index, plain in meta["optimizer_plain_state"].items():
         state.setdefault(int(index), {}).update(plain)
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["optimizer_param_groups"]]
+    groups = [
+        {k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["optimizer_param_groups"]
+    ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     if scaler is not None and meta["scaler"]:
         scaler.load_state_dict(meta["scaler"])
@@ -333,9 +364,14 @@ def replay_schedule(stepped: list[bool], steps_after, base_lr: float, **wsd) -> 
 
     dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base_lr)
     sched = transformers.get_wsd_schedule(
-        dummy, num_warmup_steps=wsd["warmup_steps"], num_stable_steps=wsd["stable_steps"],
-        num_decay_steps=wsd["decay_steps"], warmup_type=wsd.get("warmup_type", "linear"),
-        decay_type=wsd.get("decay_type", "cosine"), min_lr_ratio=wsd.get("min_lr_ratio", 0.0))
+        dummy,
+        num_warmup_steps=wsd["warmup_steps"],
+        num_stable_steps=wsd["stable_steps"],
+        num_decay_steps=wsd["decay_steps"],
+        warmup_type=wsd.get("warmup_type", "linear"),
+        decay_type=wsd.get("decay_type", "cosine"),
+        min_lr_ratio=wsd.get("min_lr_ratio", 0.0),
+    )
     lrs = []
     for s in stepped:
         lrs.append(dummy.param_groups[0]["lr"])
@@ -369,15 +405,27 @@ class AttemptLog:
     def metrics(self, prefix: str, warmup: int) -> dict[str, float | int | None]:
         """The run's summary under `prefix_…` keys, for a record's metrics."""
         stats = self.step_times(warmup)
-        return {f"{prefix}_final_loss": [x for x in self.loss if x is not None][-1],
-                f"{prefix}_step_time_median_s": stats["step_time_median_s"], f"{prefix}_step_time_p95_s": stats["step_time_p95_s"],
-                f"{prefix}_peak_allocated_bytes": self.peaks["peak_allocated_bytes"],
-                f"{prefix}_peak_reserved_bytes": self.peaks["peak_reserved_bytes"],
-                f"{prefix}_base_allocated_bytes": self.base_allocated_bytes}
+        return {
+            f"{prefix}_final_loss": [x for x in self.loss if x is not None][-1],
+            f"{prefix}_step_time_median_s": stats["step_time_median_s"],
+            f"{prefix}_step_time_p95_s": stats["step_time_p95_s"],
+            f"{prefix}_peak_allocated_bytes": self.peaks["peak_allocated_bytes"],
+            f"{prefix}_peak_reserved_bytes": self.peaks["peak_reserved_bytes"],
+            f"{prefix}_base_allocated_bytes": self.base_allocated_bytes,
+        }
 
 
-def run_attempts(attempt, batches, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, base_lr: float, wsd: dict, device: torch.device) -> AttemptLog:
+def run_attempts(
+    attempt,
+    batches,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    base_lr: float,
+    wsd: dict,
+    device: torch.device,
+) -> AttemptLog:
     """One update attempt per batch; the learning rate comes from the update clock, which ticks after each.
 
     attempt(a, batch) -> (loss tensor, stepped) is the timed part: zero_grad, forward, backward and
@@ -391,7 +439,7 @@ def run_attempts(attempt, batches, *, model: torch.nn.Module, optimizer: torch.o
     for a, batch in enumerate(batches):
         set_lr(optimizer, [base_lr], wsd_multiplier(clock.effective_updates, **wsd))
         log.lr.append(optimizer.param_groups[0]["lr"])
-        (loss, stepped), seconds = timed(lambda: attempt(a, batch), device)
+        (loss, stepped), seconds = timed(lambda a=a, batch=batch: attempt(a, batch), device)
         clock.tick(stepped)
         value = float(loss)
         log.loss.append(value if math.isfinite(value) else None)
@@ -428,11 +476,23 @@ class DynamicsRun:
     peaks: dict[str, int | None]
 
     def series(self) -> dict[str, list[float]]:
-        return {"loss": self.loss, "grad_norm": self.grad_norm, "clip_coef": self.clip_coef, "displacement": self.displacement}
+        return {
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "clip_coef": self.clip_coef,
+            "displacement": self.displacement,
+        }
 
 
-def dynamics_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, *, max_norm: float,
-                 eval_batch: dict[str, torch.Tensor], device: torch.device) -> DynamicsRun:
+def dynamics_run(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches,
+    *,
+    max_norm: float,
+    eval_batch: dict[str, torch.Tensor],
+    device: torch.device,
+) -> DynamicsRun:
     """One update per batch: zero_grad, forward, backward, clip_grad_norm_(max_norm), step (the timed part).
 
     Around it, untimed: θ before the update, the clipped gradient's norm (AdamW's step leaves .grad
@@ -445,7 +505,7 @@ def dynamics_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     for batch in batches:
         before = snapshot(model)
 
-        def step_once():
+        def step_once(batch=batch):
             optimizer.zero_grad(set_to_none=True)
             loss = model(**batch).loss
             loss.backward()
@@ -456,18 +516,35 @@ def dynamics_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
         (loss, norm), seconds = timed(step_once, device)
         run.loss.append(float(loss))
         run.grad_norm.append(float(norm))
-        run.clipped_norm.append(float(flat_grads(model).double().norm()))  # float64: a float32 sum of ~10^6 squares drifts
+        run.clipped_norm.append(
+            float(flat_grads(model).double().norm())
+        )  # float64: a float32 sum of ~10^6 squares drifts
         run.clip_coef.append(clip_coefficient(run.grad_norm[-1], max_norm))
         run.displacement.append(displacement(before, model))
-        run.finite.append(all(math.isfinite(v) for v in (run.loss[-1], run.grad_norm[-1], run.displacement[-1])))
+        run.finite.append(
+            all(math.isfinite(v) for v in (run.loss[-1], run.grad_norm[-1], run.displacement[-1]))
+        )
         run.seconds.append(seconds)
     run.eval_after = eval_loss(model, eval_batch)
     run.peaks = cuda_peaks(device)
     return run
 
 
-def continued_updates(model, optimizer, scaler, clock, data_position: int, n: int, *, batch_at, precision: str,
-                      window: int, stride: int, device: torch.device, log: dict) -> int:
+def continued_updates(
+    model,
+    optimizer,
+    scaler,
+    clock,
+    data_position: int,
+    n: int,
+    *,
+    batch_at,
+    precision: str,
+    window: int,
+    stride: int,
+    device: torch.device,
+    log: dict,
+) -> int:
     """n full-sequence updates; each window starts at a random offset in [0, window) past data_position.
 
     batch_at(offset) -> a batch on the device. The offset is drawn from torch's global RNG, so the
@@ -481,7 +558,7 @@ def continued_updates(model, optimizer, scaler, clock, data_position: int, n: in
         offset = data_position + int(torch.randint(0, window, ()))
         batch = batch_at(offset)
 
-        def step_once():
+        def step_once(batch=batch):
             optimizer.zero_grad(set_to_none=True)
             with amp.autocast(device, precision):
                 loss = model(**batch).loss

@@ -19,17 +19,28 @@ import math
 import torch
 
 __all__ = [
-    "linear_forward", "linear_backward",
-    "embedding_forward", "embedding_backward",
-    "silu_forward", "silu_backward",
-    "gelu_forward", "gelu_backward",
-    "softmax_forward", "softmax_backward",
-    "cross_entropy_forward", "cross_entropy_backward",
-    "rms_norm_forward", "rms_norm_backward",
-    "layer_norm_forward", "layer_norm_backward",
-    "rope_forward", "rope_backward",
-    "attention_forward", "attention_backward",
-    "swiglu_forward", "swiglu_backward",
+    "linear_forward",
+    "linear_backward",
+    "embedding_forward",
+    "embedding_backward",
+    "silu_forward",
+    "silu_backward",
+    "gelu_forward",
+    "gelu_backward",
+    "softmax_forward",
+    "softmax_backward",
+    "cross_entropy_forward",
+    "cross_entropy_backward",
+    "rms_norm_forward",
+    "rms_norm_backward",
+    "layer_norm_forward",
+    "layer_norm_backward",
+    "rope_forward",
+    "rope_backward",
+    "attention_forward",
+    "attention_backward",
+    "swiglu_forward",
+    "swiglu_backward",
     "saved_bytes",
 ]
 
@@ -60,10 +71,14 @@ def linear_forward(x, weight, bias=None):
     Refuses a weight that is not 2-D, or x / bias whose size does not match the weight.
     """
     _require(weight.dim() == 2, f"linear: weight must be 2-D (out, in), got shape {tuple(weight.shape)}.")
-    _require(x.shape[-1] == weight.shape[1],
-             f"linear: x has {x.shape[-1]} input features but weight expects {weight.shape[1]} (weight is (out, in)).")
-    _require(bias is None or tuple(bias.shape) == (weight.shape[0],),
-             f"linear: bias must have shape ({weight.shape[0]},), got {None if bias is None else tuple(bias.shape)}.")
+    _require(
+        x.shape[-1] == weight.shape[1],
+        f"linear: x has {x.shape[-1]} input features but weight expects {weight.shape[1]} (weight is (out, in)).",
+    )
+    _require(
+        bias is None or tuple(bias.shape) == (weight.shape[0],),
+        f"linear: bias must have shape ({weight.shape[0]},), got {None if bias is None else tuple(bias.shape)}.",
+    )
     y = x @ weight.T  # (..., out)
     if bias is not None:
         y = y + bias  # (..., out) bias broadcast over every leading position
@@ -93,12 +108,16 @@ def embedding_forward(ids, weight):
     Saves ids and the number of rows V (the gradient is a scatter of grad_out into V rows).
     Refuses non-integer ids, ids outside [0, V), and a weight that is not 2-D.
     """
-    _require(not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool,
-             f"embedding: ids must be an integer tensor, got {ids.dtype}.")
+    _require(
+        not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool,
+        f"embedding: ids must be an integer tensor, got {ids.dtype}.",
+    )
     _require(weight.dim() == 2, f"embedding: weight must be 2-D (V, C), got shape {tuple(weight.shape)}.")
     V = weight.shape[0]
     if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < V):
-        raise ValueError(f"embedding: ids must lie in [0, {V}), got values in [{int(ids.min())}, {int(ids.max())}].")
+        raise ValueError(
+            f"embedding: ids must lie in [0, {V}), got values in [{int(ids.min())}, {int(ids.max())}]."
+        )
     y = weight[ids]  # (..., C)
     saved = {"ids": ids, "num_embeddings": V}
     return y, saved
@@ -146,8 +165,10 @@ def gelu_forward(x, approximate="none"):
     "tanh": y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
     Refuses any other `approximate`.
     """
-    _require(approximate in GELU_APPROXIMATIONS,
-             f"gelu: approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}.")
+    _require(
+        approximate in GELU_APPROXIMATIONS,
+        f"gelu: approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}.",
+    )
     if approximate == "none":
         y = x * 0.5 * (1 + torch.erf(x / math.sqrt(2.0)))  # (...) x * Phi(x)
     else:
@@ -167,7 +188,9 @@ def gelu_backward(saved, grad_out):
         u = _SQRT_2_OVER_PI * (x + _GELU_TANH_C * x**3)  # (...)
         t = torch.tanh(u)  # (...)
         du = _SQRT_2_OVER_PI * (1 + 3 * _GELU_TANH_C * x**2)  # (...) du/dx
-        dx = grad_out * (0.5 * (1 + t) + 0.5 * x * (1 - t**2) * du)  # (...) term 1: gate; term 2: through tanh
+        dx = grad_out * (
+            0.5 * (1 + t) + 0.5 * x * (1 - t**2) * du
+        )  # (...) term 1: gate; term 2: through tanh
     return (dx,)
 
 
@@ -180,7 +203,9 @@ def softmax_forward(x, dim=-1):
 
     Entries equal to -inf get probability 0 (that is how attention masks future positions).
     """
-    _require(-x.dim() <= dim < max(x.dim(), 1), f"softmax: dim must be in [{-x.dim()}, {x.dim()}), got {dim}.")
+    _require(
+        -x.dim() <= dim < max(x.dim(), 1), f"softmax: dim must be in [{-x.dim()}, {x.dim()}), got {dim}."
+    )
     m = x.amax(dim, keepdim=True)  # (..., 1, ...) subtract the max so exp never overflows
     e = torch.exp(x - m)  # (...)
     y = e / e.sum(dim, keepdim=True)  # (...)
@@ -208,20 +233,31 @@ def cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean"):
     valid targets. Refuses: logits not 2-D, targets not (N,), an unknown reduction, a valid target
     outside [0, V), and a "mean" with zero valid targets (0/0 would be NaN).
     """
-    _require(reduction in REDUCTIONS, f"cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+    _require(
+        reduction in REDUCTIONS, f"cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}."
+    )
     _require(logits.dim() == 2, f"cross_entropy: logits must be 2-D (N, V), got shape {tuple(logits.shape)}.")
     N, V = logits.shape
-    _require(tuple(targets.shape) == (N,),
-             f"cross_entropy: targets must have shape ({N},) to match logits (N, V), got {tuple(targets.shape)}.")
-    _require(not targets.is_floating_point(), f"cross_entropy: targets must be integer class ids, got {targets.dtype}.")
+    _require(
+        tuple(targets.shape) == (N,),
+        f"cross_entropy: targets must have shape ({N},) to match logits (N, V), got {tuple(targets.shape)}.",
+    )
+    _require(
+        not targets.is_floating_point(),
+        f"cross_entropy: targets must be integer class ids, got {targets.dtype}.",
+    )
     valid = targets != ignore_index  # (N,) which rows count
     n_valid = int(valid.sum())
-    _require(reduction == "sum" or n_valid > 0,
-             f"cross_entropy: reduction='mean' needs at least one target != ignore_index={ignore_index}, "
-             f"but all {N} are ignored; the mean over zero targets is undefined.")
+    _require(
+        reduction == "sum" or n_valid > 0,
+        f"cross_entropy: reduction='mean' needs at least one target != ignore_index={ignore_index}, "
+        f"but all {N} are ignored; the mean over zero targets is undefined.",
+    )
     safe = torch.where(valid, targets, 0)  # (N,) ignored rows point at class 0; masked out below
-    _require(n_valid == 0 or (int(safe[valid].min()) >= 0 and int(safe[valid].max()) < V),
-             f"cross_entropy: targets must lie in [0, {V}) or equal ignore_index={ignore_index}.")
+    _require(
+        n_valid == 0 or (int(safe[valid].min()) >= 0 and int(safe[valid].max()) < V),
+        f"cross_entropy: targets must lie in [0, {V}) or equal ignore_index={ignore_index}.",
+    )
     shifted = logits - logits.amax(-1, keepdim=True)  # (N, V) max is 0: exp never overflows
     log_z = torch.log(torch.exp(shifted).sum(-1, keepdim=True))  # (N, 1) log of the normaliser
     logp = shifted - log_z  # (N, V) log-softmax
@@ -229,8 +265,13 @@ def cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean"):
     picked = logp.gather(1, safe[:, None])[:, 0]  # (N,) log-probability of the target class
     losses = torch.where(valid, -picked, 0)  # (N,) -log p[target]; 0 where ignored
     loss = losses.sum() / n_valid if reduction == "mean" else losses.sum()  # ()
-    saved = {"probs": probs, "targets": targets, "ignore_index": ignore_index,
-             "reduction": reduction, "n_valid": n_valid}
+    saved = {
+        "probs": probs,
+        "targets": targets,
+        "ignore_index": ignore_index,
+        "reduction": reduction,
+        "n_valid": n_valid,
+    }
     return loss, saved
 
 
@@ -259,8 +300,10 @@ def rms_norm_forward(x, weight, eps=1e-6):
     Saves x, weight and rstd = 1/sqrt(mean(x^2) + eps), shape (..., 1), in the compute dtype.
     Refuses a weight that is not (C,).
     """
-    _require(tuple(weight.shape) == (x.shape[-1],),
-             f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}.")
+    _require(
+        tuple(weight.shape) == (x.shape[-1],),
+        f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}.",
+    )
     h = x.to(_compute_dtype(x.dtype))  # (..., C)
     rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) 1 / rms of each row
     n = (h * rstd).to(x.dtype)  # (..., C) normalised, back in the input dtype before the weight (HF order)
@@ -273,7 +316,9 @@ def rms_norm_backward(saved, grad_out):
     x, weight, rstd = saved["x"], saved["weight"], saved["rstd"]
     C = x.shape[-1]
     n = x.to(rstd.dtype) * rstd  # (..., C) recomputed normalised x, in the compute dtype
-    dweight = (grad_out * n.to(x.dtype)).reshape(-1, C).sum(0).to(weight.dtype)  # (C,) weight scales each channel
+    dweight = (
+        (grad_out * n.to(x.dtype)).reshape(-1, C).sum(0).to(weight.dtype)
+    )  # (C,) weight scales each channel
     dn = (grad_out * weight).to(rstd.dtype)  # (..., C) gradient reaching the normalised x
     dot = (dn * n).mean(-1, keepdim=True)  # (..., 1) how much dn points along n
     dh = rstd * (dn - n * dot)  # (..., C) term 1: rstd dn (direct); term 2: -rstd n mean(dn n) (through rstd)
@@ -293,9 +338,13 @@ def layer_norm_forward(x, weight, bias, eps=1e-5):
     Refuses weight / bias that are not (C,).
     """
     C = x.shape[-1]
-    _require(tuple(weight.shape) == (C,), f"layer_norm: weight must have shape ({C},), got {tuple(weight.shape)}.")
-    _require(bias is None or tuple(bias.shape) == (C,),
-             f"layer_norm: bias must have shape ({C},) or be None, got {None if bias is None else tuple(bias.shape)}.")
+    _require(
+        tuple(weight.shape) == (C,), f"layer_norm: weight must have shape ({C},), got {tuple(weight.shape)}."
+    )
+    _require(
+        bias is None or tuple(bias.shape) == (C,),
+        f"layer_norm: bias must have shape ({C},) or be None, got {None if bias is None else tuple(bias.shape)}.",
+    )
     mean = x.mean(-1, keepdim=True)  # (..., 1)
     xc = x - mean  # (..., C)
     var = (xc**2).mean(-1, keepdim=True)  # (..., 1) biased variance
@@ -344,9 +393,15 @@ def rope_forward(x, cos, sin):
     _require(x.dim() == 4, f"rope: x must be 4-D (B, H, T, D), got shape {tuple(x.shape)}.")
     B, H, T, D = x.shape
     _require(D % 2 == 0, f"rope: head dim D must be even to pair its two halves, got {D}.")
-    _require(cos.shape == sin.shape, f"rope: cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}.")
-    _require(tuple(cos.shape) == (T, D) or (cos.dim() == 3 and cos.shape[0] in (1, B) and tuple(cos.shape[1:]) == (T, D)),
-             f"rope: cos/sin must be ({T}, {D}) or (B, {T}, {D}) to match x {tuple(x.shape)}, got {tuple(cos.shape)}.")
+    _require(
+        cos.shape == sin.shape,
+        f"rope: cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}.",
+    )
+    _require(
+        tuple(cos.shape) == (T, D)
+        or (cos.dim() == 3 and cos.shape[0] in (1, B) and tuple(cos.shape[1:]) == (T, D)),
+        f"rope: cos/sin must be ({T}, {D}) or (B, {T}, {D}) to match x {tuple(x.shape)}, got {tuple(cos.shape)}.",
+    )
     c = cos if cos.dim() == 2 else cos.unsqueeze(1)  # (T, D) or (B, 1, T, D): broadcast over heads
     s = sin if sin.dim() == 2 else sin.unsqueeze(1)  # same
     y = x * c + _rotate_half(x) * s  # (B, H, T, D)
@@ -358,7 +413,9 @@ def rope_backward(saved, grad_out):
     cos, sin = saved["cos"], saved["sin"]
     c = cos if cos.dim() == 2 else cos.unsqueeze(1)  # (T, D) or (B, 1, T, D)
     s = sin if sin.dim() == 2 else sin.unsqueeze(1)
-    dx = grad_out * c - _rotate_half(grad_out * s)  # (B, H, T, D) term 1: x*cos path; term 2: rotated path, transposed
+    dx = grad_out * c - _rotate_half(
+        grad_out * s
+    )  # (B, H, T, D) term 1: x*cos path; term 2: rotated path, transposed
     return dx, None, None
 
 
@@ -378,15 +435,24 @@ def attention_forward(q, k, v, causal=True, scale=None):
     Refuses: non-4-D inputs, k/v shapes that differ or do not match q's B and D, H % Hkv != 0,
     causal with S != T.
     """
-    _require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-             f"attention: q, k, v must be 4-D (B, H, T, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
-    _require(k.shape == v.shape, f"attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
+    _require(
+        q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+        f"attention: q, k, v must be 4-D (B, H, T, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.",
+    )
+    _require(
+        k.shape == v.shape,
+        f"attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.",
+    )
     B, H, T, D = q.shape
     _, Hkv, S, _ = k.shape
-    _require(k.shape[0] == B and k.shape[3] == D,
-             f"attention: k/v must be (B={B}, Hkv, S, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}.")
-    _require(H % Hkv == 0,
-             f"attention: the number of query heads H={H} must be a multiple of the kv heads Hkv={Hkv} (grouped-query).")
+    _require(
+        k.shape[0] == B and k.shape[3] == D,
+        f"attention: k/v must be (B={B}, Hkv, S, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}.",
+    )
+    _require(
+        H % Hkv == 0,
+        f"attention: the number of query heads H={H} must be a multiple of the kv heads Hkv={Hkv} (grouped-query).",
+    )
     _require(not causal or S == T, f"attention: causal=True needs as many keys as queries, got T={T}, S={S}.")
     G = H // Hkv  # query heads per kv head
     scale = D**-0.5 if scale is None else scale
@@ -421,7 +487,9 @@ def attention_backward(saved, grad_out):
     dv = (pg.transpose(-1, -2) @ dout).sum(2)  # (B, Hkv, S, D) out = P V; sum over the group's G heads
     dprobs = dout @ vg.transpose(-1, -2)  # (B, Hkv, G, T, S)
     cd = _compute_dtype(q.dtype)
-    (dscores,) = softmax_backward({"y": pg.to(cd), "dim": -1}, dprobs.to(cd))  # (B, Hkv, G, T, S) masked: P=0 -> 0
+    (dscores,) = softmax_backward(
+        {"y": pg.to(cd), "dim": -1}, dprobs.to(cd)
+    )  # (B, Hkv, G, T, S) masked: P=0 -> 0
     dscores = dscores.to(q.dtype) * scale  # (B, Hkv, G, T, S) scores = q k^T * scale
     dq = (dscores @ kg).reshape(B, H, T, D)  # (B, H, T, D)
     dk = (dscores.transpose(-1, -2) @ qg).sum(2)  # (B, Hkv, S, D) sum over the group's G heads
@@ -442,8 +510,10 @@ def swiglu_forward(x, w_gate, w_up, w_down):
     Refuses weights whose shapes do not chain (..., C) -> (..., I) -> (..., C).
     """
     C = x.shape[-1]
-    _require(w_gate.dim() == 2 and w_gate.shape[1] == C and w_up.shape == w_gate.shape,
-             f"swiglu: w_gate and w_up must both be (I, {C}), got {tuple(w_gate.shape)} and {tuple(w_up.shape)}.")
+    _require(
+        w_gate.dim() == 2 and w_gate.shape[1] == C and w_up.shape == w_gate.shape,
+        f"swiglu: w_gate and w_up must both be (I, {C}), got {tuple(w_gate.shape)} and {tuple(w_up.shape)}.",
+    )
     I = w_gate.shape[0]
     _require(tuple(w_down.shape) == (C, I), f"swiglu: w_down must be ({C}, {I}), got {tuple(w_down.shape)}.")
     gate, _ = linear_forward(x, w_gate)  # (..., I)
@@ -459,11 +529,15 @@ def swiglu_backward(saved, grad_out):
     x, gate, up = saved["x"], saved["gate"], saved["up"]
     act = gate * torch.sigmoid(gate)  # (..., I) recomputed silu(gate)
     h = act * up  # (..., I) recomputed input of down
-    dh, dw_down, _ = linear_backward({"x": h, "weight": saved["w_down"], "has_bias": False}, grad_out)  # (..., I)
+    dh, dw_down, _ = linear_backward(
+        {"x": h, "weight": saved["w_down"], "has_bias": False}, grad_out
+    )  # (..., I)
     dact = dh * up  # (..., I) h = act * up: each factor's grad is dh times the other
     dup = dh * act  # (..., I)
     (dgate,) = silu_backward({"x": gate}, dact)  # (..., I)
-    dx_g, dw_gate, _ = linear_backward({"x": x, "weight": saved["w_gate"], "has_bias": False}, dgate)  # (..., C)
+    dx_g, dw_gate, _ = linear_backward(
+        {"x": x, "weight": saved["w_gate"], "has_bias": False}, dgate
+    )  # (..., C)
     dx_u, dw_up, _ = linear_backward({"x": x, "weight": saved["w_up"], "has_bias": False}, dup)  # (..., C)
     dx = dx_g + dx_u  # (..., C) x feeds two branches: their gradients add
     return dx, dw_gate, dw_up, dw_down
@@ -501,4 +575,3 @@ def saved_bytes(saved, *, exclude=()):
             seen.add(key)
             total += t.nbytes
     return total
-

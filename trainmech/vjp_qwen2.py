@@ -30,11 +30,17 @@ import torch
 from trainmech import vjp
 
 __all__ = [
-    "rope_cos_sin", "layer_params",
-    "layer_forward", "layer_backward",
-    "model_loss_forward", "model_loss_backward",
+    "rope_cos_sin",
+    "layer_params",
+    "layer_forward",
+    "layer_backward",
+    "model_loss_forward",
+    "model_loss_backward",
     "saved_inventory",
-    "FLOAT32_ISLANDS", "float32_island_gaps", "hf_float64_reference", "causal_lm_loss",
+    "FLOAT32_ISLANDS",
+    "float32_island_gaps",
+    "hf_float64_reference",
+    "causal_lm_loss",
     "benchmark",
 ]
 
@@ -68,14 +74,22 @@ def _rope_parameters(config):
 def _check_config(config):
     """Refuse the Qwen2 features this hand-written path does not implement."""
     rope_type, _ = _rope_parameters(config)
-    _require(rope_type == "default", f"only rope_type 'default' is implemented, the config has {rope_type!r}.")
-    _require(getattr(config, "hidden_act", "silu") == "silu",
-             f"only hidden_act 'silu' is implemented (SwiGLU), the config has {config.hidden_act!r}.")
+    _require(
+        rope_type == "default", f"only rope_type 'default' is implemented, the config has {rope_type!r}."
+    )
+    _require(
+        getattr(config, "hidden_act", "silu") == "silu",
+        f"only hidden_act 'silu' is implemented (SwiGLU), the config has {config.hidden_act!r}.",
+    )
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    _require(all(t == "full_attention" for t in layer_types),
-             f"only full (causal) attention layers are implemented, the config has layer_types={layer_types}.")
-    _require(not getattr(config, "attention_dropout", 0.0),
-             f"attention dropout is not implemented, the config has attention_dropout={config.attention_dropout}.")
+    _require(
+        all(t == "full_attention" for t in layer_types),
+        f"only full (causal) attention layers are implemented, the config has layer_types={layer_types}.",
+    )
+    _require(
+        not getattr(config, "attention_dropout", 0.0),
+        f"attention dropout is not implemented, the config has attention_dropout={config.attention_dropout}.",
+    )
     H, Hkv, _ = _head_dims(config)
     _require(H % Hkv == 0, f"num_attention_heads={H} must be a multiple of num_key_value_heads={Hkv}.")
 
@@ -88,12 +102,16 @@ def rope_cos_sin(config, seq_len, dtype=torch.float32, device=None):
     Refuses RoPE types other than "default".
     """
     rope_type, theta = _rope_parameters(config)
-    _require(rope_type == "default", f"rope_cos_sin: only rope_type 'default' is implemented, got {rope_type!r}.")
+    _require(
+        rope_type == "default", f"rope_cos_sin: only rope_type 'default' is implemented, got {rope_type!r}."
+    )
     _, _, D = _head_dims(config)
     inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float, device=device) / D))  # (D/2,)
     positions = torch.arange(seq_len, device=device).float()  # (T,)
     freqs = positions[:, None] * inv_freq[None, :]  # (T, D/2) angle of position t in frequency pair i
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, D) both halves share the angles (rotate_half pairs i, i+D/2)
+    emb = torch.cat(
+        (freqs, freqs), dim=-1
+    )  # (T, D) both halves share the angles (rotate_half pairs i, i+D/2)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -135,13 +153,17 @@ def layer_forward(x, params, cos, sin, config):
     o, s_o = vjp.linear_forward(a, p["self_attn.o_proj.weight"])  # (B, T, C) o_proj has no bias
     x1 = x + o  # (B, T, C) residual 1
     h2, s_ln2 = vjp.rms_norm_forward(x1, p["post_attention_layernorm.weight"], eps=eps)  # (B, T, C)
-    m, s_mlp = vjp.swiglu_forward(h2, p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"],
-                                  p["mlp.down_proj.weight"])  # (B, T, C)
+    m, s_mlp = vjp.swiglu_forward(
+        h2, p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"], p["mlp.down_proj.weight"]
+    )  # (B, T, C)
     out = x1 + m  # (B, T, C) residual 2
     saved = {
         "input_layernorm": s_ln1,
-        "self_attn.q_proj": s_q, "self_attn.k_proj": s_k, "self_attn.v_proj": s_v,
-        "self_attn.q_rope": s_qr, "self_attn.k_rope": s_kr,
+        "self_attn.q_proj": s_q,
+        "self_attn.k_proj": s_k,
+        "self_attn.v_proj": s_v,
+        "self_attn.q_rope": s_qr,
+        "self_attn.k_rope": s_kr,
         "self_attn.attention": s_attn,
         "self_attn.o_proj": s_o,
         "post_attention_layernorm": s_ln2,
@@ -175,12 +197,18 @@ def layer_backward(saved, grad_out):
     dx_attn, dw_ln1 = vjp.rms_norm_backward(saved["input_layernorm"], dh)  # (B, T, C)
     dx = dx1 + dx_attn  # (B, T, C)
     dparams = {
-        "self_attn.q_proj.weight": dw_q, "self_attn.q_proj.bias": db_q,
-        "self_attn.k_proj.weight": dw_k, "self_attn.k_proj.bias": db_k,
-        "self_attn.v_proj.weight": dw_v, "self_attn.v_proj.bias": db_v,
+        "self_attn.q_proj.weight": dw_q,
+        "self_attn.q_proj.bias": db_q,
+        "self_attn.k_proj.weight": dw_k,
+        "self_attn.k_proj.bias": db_k,
+        "self_attn.v_proj.weight": dw_v,
+        "self_attn.v_proj.bias": db_v,
         "self_attn.o_proj.weight": dw_o,
-        "mlp.gate_proj.weight": dw_gate, "mlp.up_proj.weight": dw_up, "mlp.down_proj.weight": dw_down,
-        "input_layernorm.weight": dw_ln1, "post_attention_layernorm.weight": dw_ln2,
+        "mlp.gate_proj.weight": dw_gate,
+        "mlp.up_proj.weight": dw_up,
+        "mlp.down_proj.weight": dw_down,
+        "input_layernorm.weight": dw_ln1,
+        "post_attention_layernorm.weight": dw_ln2,
     }
     return dx, dparams
 
@@ -202,11 +230,17 @@ def model_loss_forward(model, input_ids, labels, attention_mask=None):
     """
     config = model.config
     _check_config(config)
-    _require(attention_mask is None or bool((attention_mask == 1).all()),
-             "model_loss_forward: padding masks are not supported; right-pad and set those labels to -100.")
-    _require(input_ids.dim() == 2, f"model_loss_forward: input_ids must be (B, T), got {tuple(input_ids.shape)}.")
-    _require(labels.shape == input_ids.shape,
-             f"model_loss_forward: labels must be shaped like input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}.")
+    _require(
+        attention_mask is None or bool((attention_mask == 1).all()),
+        "model_loss_forward: padding masks are not supported; right-pad and set those labels to -100.",
+    )
+    _require(
+        input_ids.dim() == 2, f"model_loss_forward: input_ids must be (B, T), got {tuple(input_ids.shape)}."
+    )
+    _require(
+        labels.shape == input_ids.shape,
+        f"model_loss_forward: labels must be shaped like input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}.",
+    )
     B, T = input_ids.shape
     names = [name for name, _ in model.named_parameters()]
     params = {name: p.detach() for name, p in model.named_parameters()}
@@ -218,16 +252,22 @@ def model_loss_forward(model, input_ids, labels, attention_mask=None):
     layer_saved = []
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
-        lp = {n[len(prefix):]: t for n, t in params.items() if n.startswith(prefix)}
+        lp = {n[len(prefix) :]: t for n, t in params.items() if n.startswith(prefix)}
         x, s = layer_forward(x, lp, cos, sin, config)  # (B, T, C)
         layer_saved.append(s)
     h, s_norm = vjp.rms_norm_forward(x, params["model.norm.weight"], eps=config.rms_norm_eps)  # (B, T, C)
     logits, s_head = vjp.linear_forward(h, w_head)  # (B, T, V)
     V = logits.shape[-1]
     pad = torch.full((B, 1), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)  # (B, 1)
-    targets = torch.cat((labels[:, 1:], pad), dim=1)  # (B, T) shift as HF: the last position has no next token
-    ce_logits = logits.reshape(B * T, V).to(torch.promote_types(logits.dtype, torch.float32))  # (B*T, V) HF upcasts to float32
-    loss, s_ce = vjp.cross_entropy_forward(ce_logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="mean")
+    targets = torch.cat(
+        (labels[:, 1:], pad), dim=1
+    )  # (B, T) shift as HF: the last position has no next token
+    ce_logits = logits.reshape(B * T, V).to(
+        torch.promote_types(logits.dtype, torch.float32)
+    )  # (B*T, V) HF upcasts to float32
+    loss, s_ce = vjp.cross_entropy_forward(
+        ce_logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="mean"
+    )
     saved = {
         "model.embed_tokens": s_emb,
         "model.layers": layer_saved,
@@ -247,7 +287,9 @@ def model_loss_backward(saved, grad_loss=1.0):
     'model.embed_tokens.weight', and its grad is the embedding use plus the lm_head use.
     """
     s_ce, s_head = saved["loss"], saved["lm_head"]
-    upstream_grad = torch.as_tensor(grad_loss, dtype=s_ce["probs"].dtype, device=s_ce["probs"].device)  # () d L / d loss
+    upstream_grad = torch.as_tensor(
+        grad_loss, dtype=s_ce["probs"].dtype, device=s_ce["probs"].device
+    )  # () d L / d loss
     dlogits, _ = vjp.cross_entropy_backward(s_ce, upstream_grad)  # (B*T, V)
     B, T, _ = s_head["x"].shape
     logits_dtype = torch.promote_types(s_head["x"].dtype, s_head["weight"].dtype)
@@ -378,7 +420,9 @@ def float32_island_gaps(model, input_ids, labels):
     computed in float64. A gap at float32's rounding level (≈ 1e-8) is the island; 0 would mean
     there is none. Refuses a model that is not float64.
     """
-    _require(next(model.parameters()).dtype == torch.float64, "float32_island_gaps: the model must be float64.")
+    _require(
+        next(model.parameters()).dtype == torch.float64, "float32_island_gaps: the model must be float64."
+    )
     config, gaps = model.config, {}
     stock = model(input_ids=input_ids, labels=labels)
     with hf_float64_reference(islands=("Qwen2RMSNorm",)):
@@ -399,7 +443,9 @@ def float32_island_gaps(model, input_ids, labels):
     hf_cos, _ = model.model.rotary_emb(probe, positions)  # (1, T, D) in the probe's dtype
     _, theta = _rope_parameters(config)
     _, _, D = _head_dims(config)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64, device=probe.device) / D))  # (D/2,) float64
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, D, 2, dtype=torch.float64, device=probe.device) / D)
+    )  # (D/2,) float64
     angles = positions[0, :, None].double() * inv_freq[None, :]  # (T, D/2)
     gaps["Qwen2RotaryEmbedding"] = _rel_gap(hf_cos[0], torch.cat((angles, angles), dim=-1).cos())
     return gaps
@@ -412,15 +458,18 @@ def causal_lm_loss(logits, labels):
     logits: (B, T, V), labels: (B, T)  ->  loss: ().
     """
     V = logits.shape[-1]
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1),
-                                             ignore_index=IGNORE_INDEX)
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # benchmark: python -m trainmech.vjp_qwen2 --benchmark
 
 
-def benchmark(model="qwen2-small", batch=2, seq=128, repeats=30, warmup=5, seed=0, attn_implementation="sdpa"):
+def benchmark(
+    model="qwen2-small", batch=2, seq=128, repeats=30, warmup=5, seed=0, attn_implementation="sdpa"
+):
     """Time one decoder layer's backward, by hand (layer_backward) and by autograd (the real HF
     layer, `out.backward(grad_out)`), on the CPU, in float32, interleaved in one run.
 
@@ -440,7 +489,9 @@ def benchmark(model="qwen2-small", batch=2, seq=128, repeats=30, warmup=5, seed=
     grad_out = torch.randn(batch, seq, config.hidden_size, generator=gen)  # (B, T, C) upstream gradient
     cos, sin = rope_cos_sin(config, seq)
     params = layer_params(layer)
-    mask = None if attn_implementation == "sdpa" else torch.full((seq, seq), float("-inf")).triu(1)[None, None]
+    mask = (
+        None if attn_implementation == "sdpa" else torch.full((seq, seq), float("-inf")).triu(1)[None, None]
+    )
 
     def by_hand():
         _, saved = layer_forward(x, params, cos, sin, config)
@@ -461,7 +512,9 @@ def benchmark(model="qwen2-small", batch=2, seq=128, repeats=30, warmup=5, seed=
     _, (ref_dx, ref_dparams) = by_autograd()
     worst = max(rel_error(dx, ref_dx)[1], *(rel_error(dparams[n], ref_dparams[n])[1] for n in ref_dparams))
     if not worst <= 1e-4:
-        raise RuntimeError(f"correctness gate failed: relative gradient error {worst:.1e} > 1e-4; timing skipped")
+        raise RuntimeError(
+            f"correctness gate failed: relative gradient error {worst:.1e} > 1e-4; timing skipped"
+        )
 
     times = {"by_hand": [], "autograd": []}
     for i in range(warmup + repeats):
@@ -472,25 +525,43 @@ def benchmark(model="qwen2-small", batch=2, seq=128, repeats=30, warmup=5, seed=
                 times[name].append(seconds)
     result = {name: statistics.median(ts) for name, ts in times.items()}
     result["ratio"] = result["by_hand"] / result["autograd"]
-    fastest = {name: min(ts) for name, ts in times.items()}  # the least disturbed repeat: robust on a busy machine
-    print(f"one Qwen2 decoder layer backward: {spec.model_id} (hidden {config.hidden_size}, heads "
-          f"{config.num_attention_heads}/{config.num_key_value_heads}, intermediate {config.intermediate_size}), "
-          f"batch {batch} x seq {seq}, float32, CPU, {torch.get_num_threads()} threads, attention {attn_implementation}")
-    print(f"correctness gate: dx and {len(ref_dparams)} parameter grads within 1e-4 of autograd (worst {worst:.1e})")
+    fastest = {
+        name: min(ts) for name, ts in times.items()
+    }  # the least disturbed repeat: robust on a busy machine
+    print(
+        f"one Qwen2 decoder layer backward: {spec.model_id} (hidden {config.hidden_size}, heads "
+        f"{config.num_attention_heads}/{config.num_key_value_heads}, intermediate {config.intermediate_size}), "
+        f"batch {batch} x seq {seq}, float32, CPU, {torch.get_num_threads()} threads, attention {attn_implementation}"
+    )
+    print(
+        f"correctness gate: dx and {len(ref_dparams)} parameter grads within 1e-4 of autograd (worst {worst:.1e})"
+    )
     print(f"{repeats} interleaved repeats after {warmup} warm-up; forwards untimed")
-    print(f"  by hand  (layer_backward)     median {result['by_hand'] * 1e3:8.3f} ms   fastest {fastest['by_hand'] * 1e3:8.3f} ms")
-    print(f"  autograd (HF layer .backward) median {result['autograd'] * 1e3:8.3f} ms   fastest {fastest['autograd'] * 1e3:8.3f} ms")
-    print(f"  ratio by hand / autograd      median {result['ratio']:.2f}   fastest {fastest['by_hand'] / fastest['autograd']:.2f}")
+    print(
+        f"  by hand  (layer_backward)     median {result['by_hand'] * 1e3:8.3f} ms   fastest {fastest['by_hand'] * 1e3:8.3f} ms"
+    )
+    print(
+        f"  autograd (HF layer .backward) median {result['autograd'] * 1e3:8.3f} ms   fastest {fastest['autograd'] * 1e3:8.3f} ms"
+    )
+    print(
+        f"  ratio by hand / autograd      median {result['ratio']:.2f}   fastest {fastest['by_hand'] / fastest['autograd']:.2f}"
+    )
     return result
 
 
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m trainmech.vjp_qwen2",
-                                     description="Hand-written Qwen2 backward: benchmark against autograd.")
-    parser.add_argument("--benchmark", action="store_true", help="time one layer's backward, by hand vs autograd")
-    parser.add_argument("--model", default="qwen2-small", help="a TRAIN-CPU profile model (default qwen2-small)")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainmech.vjp_qwen2",
+        description="Hand-written Qwen2 backward: benchmark against autograd.",
+    )
+    parser.add_argument(
+        "--benchmark", action="store_true", help="time one layer's backward, by hand vs autograd"
+    )
+    parser.add_argument(
+        "--model", default="qwen2-small", help="a TRAIN-CPU profile model (default qwen2-small)"
+    )
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=30)

@@ -10,7 +10,6 @@ profile's configuration, with pretrained weights only when they are found locall
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,6 +20,35 @@ import torch
 
 from trainmech.errors import TrainmechError
 from trainmech.profiles import ModelSpec
+
+__all__ = [
+    "IGNORE_INDEX",
+    "CORPUS_PARTS",
+    "SPECIAL_TOKENS",
+    "VOCAB_SIZE",
+    "TOKENIZER_NAME",
+    "corpus",
+    "paragraphs",
+    "build_tokenizer",
+    "tokenizer_path",
+    "load_tokenizer",
+    "tokenizer_identity",
+    "pad_id",
+    "encode",
+    "decode",
+    "token_stream",
+    "lm_batch",
+    "pad_batch",
+    "prompt_response_batch",
+    "uneven_batch",
+    "supervised_tokens",
+    "split_micro_batches",
+    "BuiltModel",
+    "qwen2_config",
+    "local_weights",
+    "build_model",
+    "n_params",
+]
 
 IGNORE_INDEX = -100  # labels at this value are not supervised (PyTorch / transformers convention)
 CORPUS_PARTS = ("domain", "general")
@@ -123,7 +151,9 @@ def lm_batch(part: str, batch: int, seq: int, offset: int = 0) -> dict[str, torc
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
 
 
-def pad_batch(sequences: list[list[int]], *, supervise_from: list[int] | None = None) -> dict[str, torch.Tensor]:
+def pad_batch(
+    sequences: list[list[int]], *, supervise_from: list[int] | None = None
+) -> dict[str, torch.Tensor]:
     """Right-pad token lists into a batch with attention mask and labels.
 
     Padded positions get attention_mask 0 and label IGNORE_INDEX. With `supervise_from`, the
@@ -133,7 +163,9 @@ def pad_batch(sequences: list[list[int]], *, supervise_from: list[int] | None = 
     if not sequences or any(len(s) == 0 for s in sequences):
         raise TrainmechError("pad_batch needs at least one sequence and no empty sequence")
     if supervise_from is not None and len(supervise_from) != len(sequences):
-        raise TrainmechError(f"supervise_from has {len(supervise_from)} entries for {len(sequences)} sequences")
+        raise TrainmechError(
+            f"supervise_from has {len(supervise_from)} entries for {len(sequences)} sequences"
+        )
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id(), dtype=torch.long)  # (B, T)
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)  # (B, T)
@@ -165,7 +197,12 @@ def uneven_batch(rows: int, seq: int, part: str = "domain", offset: int = 0) -> 
     The rows cycle through four (length, supervised from) patterns and read successive stretches of the
     part's token stream from `offset` on, wrapping around its end.
     """
-    pattern = [(seq, 0), (seq * 3 // 8, seq // 4), (seq * 7 // 8, seq * 5 // 8), (seq // 2, 1)]  # (length, supervised from)
+    pattern = [
+        (seq, 0),
+        (seq * 3 // 8, seq // 4),
+        (seq * 7 // 8, seq * 5 // 8),
+        (seq // 2, 1),
+    ]  # (length, supervised from)
     stream, sequences, starts = token_stream(part), [], []
     for i in range(rows):
         length, start = pattern[i % len(pattern)]
@@ -254,7 +291,9 @@ def build_model(
         if spec.weights_sha256 and weights is None:
             digest = hashlib.sha256((found / "model.safetensors").read_bytes()).hexdigest()
             if digest != spec.weights_sha256:
-                raise TrainmechError(f"{found}/model.safetensors has SHA-256 {digest[:16]}…, not the pinned one")
+                raise TrainmechError(
+                    f"{found}/model.safetensors has SHA-256 {digest[:16]}…, not the pinned one"
+                )
         model = Qwen2ForCausalLM.from_pretrained(
             found, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
         )

@@ -104,17 +104,27 @@ class _Run:
         except NotImplementedError as e:
             if self.answered == 0:
                 raise _NotAttempted() from None
-            raise _Wrong([f"✗ {where}：你的函数抛出了 NotImplementedError（{_first_line(e)}）——还有分支没写完？",
-                          *_raising_line(e)]) from None
+            raise _Wrong(
+                [
+                    f"✗ {where}：你的函数抛出了 NotImplementedError（{_first_line(e)}）——还有分支没写完？",
+                    *_raising_line(e),
+                ]
+            ) from None
         except Exception as e:  # noqa: BLE001 — the learner's own error is the diagnosis
-            raise _Wrong([f"✗ {where}：你的函数抛出了 {type(e).__name__}：{_first_line(e)}", *_raising_line(e)]) from None
+            raise _Wrong(
+                [f"✗ {where}：你的函数抛出了 {type(e).__name__}：{_first_line(e)}", *_raising_line(e)]
+            ) from None
         changed = [name for name, t in given.items() if not _same(t, before[name])]
         if changed:
             names = "、".join(f"`{n}`" for n in changed)
-            raise _Wrong([f"✗ {where}：你的函数原地修改了传入的 {names}（调用后它的值变了）",
-                          "    函数应当返回新张量、不改动传进来的张量：把 `x -= …`、`x.add_(…)`、`x[i] = …` 这类原地运算"
-                          "换成产生新张量的写法（`x = x - …`），或先 `x = x.clone()`。"],
-                         f"原地修改了输入 {names}")
+            raise _Wrong(
+                [
+                    f"✗ {where}：你的函数原地修改了传入的 {names}（调用后它的值变了）",
+                    "    函数应当返回新张量、不改动传进来的张量：把 `x -= …`、`x.add_(…)`、`x[i] = …` 这类原地运算"
+                    "换成产生新张量的写法（`x = x - …`），或先 `x = x.clone()`。",
+                ],
+                f"原地修改了输入 {names}",
+            )
         self.answered += 1
         return out
 
@@ -125,7 +135,7 @@ class _Run:
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
-    return (text.splitlines()[0][:200] if text else "（没有说明）")
+    return text.splitlines()[0][:200] if text else "（没有说明）"
 
 
 def _raising_line(e: BaseException) -> list[str]:
@@ -156,7 +166,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point() or a.is_complex():
-        return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.where(a.isnan(), 0, a), torch.where(b.isnan(), 0, b))
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(
+            torch.where(a.isnan(), 0, a), torch.where(b.isnan(), 0, b)
+        )
     return torch.equal(a, b)
 
 
@@ -198,8 +210,17 @@ def _fmt_index(index: tuple[int, ...]) -> str:
     return "(" + ", ".join(map(str, index)) + ")" if index else "()"
 
 
-def _tensor(where: str, name: str, ours, ref: torch.Tensor, *, rtol: float, against: str,
-            variants: list[tuple[str, Callable[[], torch.Tensor]]] = (), shape_hint: str = "") -> float:
+def _tensor(
+    where: str,
+    name: str,
+    ours,
+    ref: torch.Tensor,
+    *,
+    rtol: float,
+    against: str,
+    variants: list[tuple[str, Callable[[], torch.Tensor]]] = (),
+    shape_hint: str = "",
+) -> float:
     """Compare one returned tensor with its reference; raise _Wrong with a diagnosis when it is off.
 
     variants: (description, thunk) of known mistakes; a wrong answer that matches one is named.
@@ -220,17 +241,20 @@ def _tensor(where: str, name: str, ours, ref: torch.Tensor, *, rtol: float, agai
     a, b = ours.detach().double(), ref.detach().double()
     bad = ~torch.isfinite(a)
     if bad.any():
-        raise _Wrong(f"✗ {where}：{name} 含有 {int(bad.sum())} 个非有限值（inf 或 NaN）",
-                     f"{name} 含有非有限值")
+        raise _Wrong(
+            f"✗ {where}：{name} 含有 {int(bad.sum())} 个非有限值（inf 或 NaN）", f"{name} 含有非有限值"
+        )
     rel = _rel(a, b)
     if rel <= rtol:
         return rel
     diff = (a - b).abs()
     idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.dim() else ()
     scale = max(b.abs().max().item(), torch.finfo(torch.float64).tiny)
-    lines = [f"✗ {where}：{name}{sep}不对：max|Δ|={diff.max().item():.2e}，相对误差 {rel:.2e}，超过容限 {rtol:.0e}",
-             f"    偏差最大的元素在索引 {_fmt_index(idx)}：你的 {a[idx].item():.6g}，{against}{of}的 {b[idx].item():.6g}；"
-             f"{int((diff > rtol * scale).sum())} / {a.numel()} 个元素超出容限"]
+    lines = [
+        f"✗ {where}：{name}{sep}不对：max|Δ|={diff.max().item():.2e}，相对误差 {rel:.2e}，超过容限 {rtol:.0e}",
+        f"    偏差最大的元素在索引 {_fmt_index(idx)}：你的 {a[idx].item():.6g}，{against}{of}的 {b[idx].item():.6g}；"
+        f"{int((diff > rtol * scale).sum())} / {a.numel()} 个元素超出容限",
+    ]
     for description, thunk in variants:
         try:
             v = thunk()
@@ -256,7 +280,10 @@ def _tuple(where: str, out, names: tuple[str, ...]):
 
 def _autograd_vjp(fn, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, wrt: tuple[int, ...]):
     """fn(*inputs) and the gradients of <fn(*inputs), grad_out> for the inputs at positions `wrt`."""
-    leaves = [t.detach().clone().requires_grad_(i in wrt) if t.is_floating_point() else t for i, t in enumerate(inputs)]
+    leaves = [
+        t.detach().clone().requires_grad_(i in wrt) if t.is_floating_point() else t
+        for i, t in enumerate(inputs)
+    ]
     out = fn(*leaves)
     (out * grad_out).sum().backward()
     return out.detach(), [leaves[i].grad for i in wrt]

@@ -6,8 +6,7 @@ import math
 
 import torch
 
-from trainmech.exercises import _Run, _Wrong, _exercise, _tiny_model, _tuple
-
+from trainmech.exercises import _exercise, _Run, _tiny_model, _tuple, _Wrong
 
 _GATE_TRACES: dict[str, object] = {}
 
@@ -20,34 +19,54 @@ def _gate_traces():
 
     # check() forks the RNG around this: building the model and running traces re-seed it
     model = _tiny_model()
-    gw = candidates.gate_workload(model, rows=4, seq=16, micro_batches=2, attempts=5, inject_at=(2,), lr=3e-3,
-                                  warmup_updates=1, decay_updates=1, seed=0)
+    gw = candidates.gate_workload(
+        model,
+        rows=4,
+        seq=16,
+        micro_batches=2,
+        attempts=5,
+        inject_at=(2,),
+        lr=3e-3,
+        warmup_updates=1,
+        decay_updates=1,
+        seed=0,
+    )
 
     def mean_per_micro_batch(state, window):
         total = 0.0
         for mb in window:
-            loss = state.model(**mb, use_cache=False).loss / len(window)   # the bug: this micro-batch's mean, / n
+            loss = state.model(**mb, use_cache=False).loss / len(
+                window
+            )  # the bug: this micro-batch's mean, / n
             state.scaler.scale(loss).backward()
             total += loss.item()
         return total
 
     def scheduler_on_every_attempt(state):
         amp.scaled_step(state.scaler, state.optimizer)
-        state.scheduler.step()   # the bug: moved whether or not the optimizer stepped
+        state.scheduler.step()  # the bug: moved whether or not the optimizer stepped
         state.optimizer.zero_grad(set_to_none=True)
 
     def step_without_guard(state):
-        state.optimizer.step()   # the bug: no finiteness check
+        state.optimizer.step()  # the bug: no finiteness check
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
 
     runs = {
         "reference": candidates.Candidate("fp32-baseline", "TRAIN-AMP-BACKWARD"),
         "fp16": candidates.candidate("fp16", "TRAIN-AMP-BACKWARD", dtype="float16"),
-        "micro_mean": candidates.Candidate("mean-per-micro-batch", "TRAIN-AMP-BACKWARD", backward=mean_per_micro_batch),
-        "scheduler_every_attempt": candidates.candidate("fp16-scheduler-every-attempt", "TRAIN-AMP-BACKWARD", dtype="float16",
-                                                        update=scheduler_on_every_attempt),
-        "step_without_guard": candidates.candidate("fp32-step-without-guard", "TRAIN-AMP-BACKWARD", update=step_without_guard),
+        "micro_mean": candidates.Candidate(
+            "mean-per-micro-batch", "TRAIN-AMP-BACKWARD", backward=mean_per_micro_batch
+        ),
+        "scheduler_every_attempt": candidates.candidate(
+            "fp16-scheduler-every-attempt",
+            "TRAIN-AMP-BACKWARD",
+            dtype="float16",
+            update=scheduler_on_every_attempt,
+        ),
+        "step_without_guard": candidates.candidate(
+            "fp32-step-without-guard", "TRAIN-AMP-BACKWARD", update=step_without_guard
+        ),
     }
     for key, cand in runs.items():
         _GATE_TRACES[key] = tracing.run_trace(cand, gw)
@@ -57,7 +76,11 @@ def _gate_traces():
 
 def _synthetic_grads():
     gen = torch.Generator().manual_seed(7)
-    ref = {"big": torch.randn(4, 5, generator=gen), "small": 1e-7 * torch.randn(6, generator=gen), "mid": 0.1 * torch.randn(3, 3, generator=gen)}
+    ref = {
+        "big": torch.randn(4, 5, generator=gen),
+        "small": 1e-7 * torch.randn(6, generator=gen),
+        "mid": 0.1 * torch.randn(3, 3, generator=gen),
+    }
     noise = {n: 1e-8 * torch.randn(g.shape, generator=gen) for n, g in ref.items()}
     return ref, noise
 
@@ -70,50 +93,103 @@ def _task6_gradient_gate(run: _Run) -> None:
     nan = {n: g.clone() for n, g in ref.items()}
     nan["mid"][1, 1] = float("nan")
     synthetic = [
-        ("合成 1：每个参数都只差约 1e-8 的噪声（“small” 的梯度约 1e-7，低于全局尺度的千分之一）", ref,
-         {n: g + noise[n] for n, g in ref.items()}, 1e-4, True),
-        ("合成 2：“mid” 整体放大 1.01 倍", ref, {n: g * (1.01 if n == "mid" else 1.0) for n, g in ref.items()}, 1e-4, False),
-        ("合成 3：候选缺了参数 “small” 的梯度", ref, {n: g for n, g in ref.items() if n != "small"}, 1e-4, False),
+        (
+            "合成 1：每个参数都只差约 1e-8 的噪声（“small” 的梯度约 1e-7，低于全局尺度的千分之一）",
+            ref,
+            {n: g + noise[n] for n, g in ref.items()},
+            1e-4,
+            True,
+        ),
+        (
+            "合成 2：“mid” 整体放大 1.01 倍",
+            ref,
+            {n: g * (1.01 if n == "mid" else 1.0) for n, g in ref.items()},
+            1e-4,
+            False,
+        ),
+        (
+            "合成 3：候选缺了参数 “small” 的梯度",
+            ref,
+            {n: g for n, g in ref.items() if n != "small"},
+            1e-4,
+            False,
+        ),
         ("合成 4：候选的 “mid” 含一个 NaN", ref, nan, 1e-4, False),
     ]
 
     def judge(where, r, cnd, rtol, want):
-        out = _tuple(where, run.call(where, {n: g.clone() for n, g in r.items()}, {n: g.clone() for n, g in cnd.items()}, rtol),
-                     ("passed", "errors"))
+        out = _tuple(
+            where,
+            run.call(
+                where, {n: g.clone() for n, g in r.items()}, {n: g.clone() for n, g in cnd.items()}, rtol
+            ),
+            ("passed", "errors"),
+        )
         passed, errors = out
         expected = gates.gradient_errors(r, cnd)
         if not isinstance(errors, dict) or set(errors) != set(expected):
-            raise _Wrong(f"✗ {where}：errors 应是每个参考参数一项的字典（{sorted(expected)}），你返回了 "
-                         f"{sorted(errors) if isinstance(errors, dict) else type(errors).__name__}")
+            raise _Wrong(
+                f"✗ {where}：errors 应是每个参考参数一项的字典（{sorted(expected)}），你返回了 "
+                f"{sorted(errors) if isinstance(errors, dict) else type(errors).__name__}"
+            )
         for n, e in expected.items():
             got = float(errors[n])
-            same = (math.isnan(e) and math.isnan(got)) or (math.isinf(e) and got == e) or abs(got - e) <= 1e-6 * max(abs(e), 1e-30)
+            same = (
+                (math.isnan(e) and math.isnan(got))
+                or (math.isinf(e) and got == e)
+                or abs(got - e) <= 1e-6 * max(abs(e), 1e-30)
+            )
             if not same:
-                scale_own = (cnd[n].double() - r[n].double()).abs().max().item() / r[n].double().abs().max().item() if n in cnd else None
+                scale_own = (
+                    (cnd[n].double() - r[n].double()).abs().max().item() / r[n].double().abs().max().item()
+                    if n in cnd
+                    else None
+                )
                 top = max(float(g.abs().max()) for g in r.values())
                 lines = [f"✗ {where}：参数 {n} 的误差 e_p 是 {got:.3e}，门槛公式给出 {e:.3e}"]
                 if n not in cnd:
                     lines.append("    候选缺了这个参数的梯度：它的误差应当是 inf，门必须不通过")
                 elif scale_own is not None and abs(got - scale_own) <= 1e-6 * max(scale_own, 1e-30):
-                    lines.append(f"    你除以了这个参数自己的最大梯度，没有下限：它的梯度尺度只有全局最大值的 "
-                                 f"{float(r[n].abs().max()) / top:.0e}，要改用 1e-3 × 全局最大梯度，免得两份舍入噪声相除")
-                elif n in cnd and abs(got - (cnd[n].double() - r[n].double()).abs().max().item()) <= 1e-6 * max(abs(got), 1e-30):
+                    lines.append(
+                        f"    你除以了这个参数自己的最大梯度，没有下限：它的梯度尺度只有全局最大值的 "
+                        f"{float(r[n].abs().max()) / top:.0e}，要改用 1e-3 × 全局最大梯度，免得两份舍入噪声相除"
+                    )
+                elif n in cnd and abs(
+                    got - (cnd[n].double() - r[n].double()).abs().max().item()
+                ) <= 1e-6 * max(abs(got), 1e-30):
                     lines.append("    你用的是绝对误差 max|Δ|，没有除以梯度尺度")
                 raise _Wrong(lines, f"{n} 的 e_p {got:.2e} ≠ {e:.2e}")
         if bool(passed) is not want:
             bad = [n for n, e in expected.items() if not e <= rtol]
-            raise _Wrong(f"✗ {where}：你的门{'放行了' if passed else '拦下了'}它，应当{'通过' if want else '不通过'}"
-                         + (f"（超出容限 {rtol:.0e} 的参数：{bad}；NaN 与 inf 都算超出）" if bad else f"（所有参数都在容限 {rtol:.0e} 内）"),
-                         f"结论应为{'通过' if want else '不通过'}")
+            raise _Wrong(
+                f"✗ {where}：你的门{'放行了' if passed else '拦下了'}它，应当{'通过' if want else '不通过'}"
+                + (
+                    f"（超出容限 {rtol:.0e} 的参数：{bad}；NaN 与 inf 都算超出）"
+                    if bad
+                    else f"（所有参数都在容限 {rtol:.0e} 内）"
+                ),
+                f"结论应为{'通过' if want else '不通过'}",
+            )
         run.ok(f"{where}：{'通过' if want else '不通过'}，e_p 与 gates.gradient_errors 一致")
 
     for where, r, cnd, rtol, want in synthetic:
         judge(where, r, cnd, rtol, want)
     traces = _gate_traces()
     ref_trace = traces["reference"]
-    judge("真实运行：正确的 FP16 候选（容限 2e-2）", ref_trace.grads[0], traces["fp16"].grads[0], gates.GRAD_RTOL["float16"], True)
-    judge("真实运行：埋入错误“按微批次取平均的损失”（容限 1e-4）", ref_trace.grads[0], traces["micro_mean"].grads[0],
-          gates.GRAD_RTOL["float32"], False)
+    judge(
+        "真实运行：正确的 FP16 候选（容限 2e-2）",
+        ref_trace.grads[0],
+        traces["fp16"].grads[0],
+        gates.GRAD_RTOL["float16"],
+        True,
+    )
+    judge(
+        "真实运行：埋入错误“按微批次取平均的损失”（容限 1e-4）",
+        ref_trace.grads[0],
+        traces["micro_mean"].grads[0],
+        gates.GRAD_RTOL["float32"],
+        False,
+    )
 
 
 def _trace(**fields):
@@ -124,24 +200,72 @@ def _trace(**fields):
 
 @_exercise("task6.update_gate", "更新门：有效更新、有限值、优化器与调度器跟随更新时钟")
 def _task6_update_gate(run: _Run) -> None:
-    lrs = [1e-3 * m for m in (0.1, 1.0, 1.0, 0.55, 0.1)]   # the clock's lr of effective updates 0..4
-    skip = [True, True, False, True, True, True]             # attempt 2 skipped: 5 effective updates
+    lrs = [1e-3 * m for m in (0.1, 1.0, 1.0, 0.55, 0.1)]  # the clock's lr of effective updates 0..4
+    skip = [True, True, False, True, True, True]  # attempt 2 skipped: 5 effective updates
     ref = _trace(stepped=skip, finite=[True] * 6, lrs=lrs, optimizer_steps=5, scheduler_steps=5)
     synthetic = [
         ("合成 1：与参照完全相同的正确候选", ref, True),
-        ("合成 2：跳步也推进调度器（调度器 6 次，第 2 次跳步后学习率超前一步）",
-         _trace(stepped=skip, finite=[True] * 6, lrs=lrs[:2] + lrs[3:] + [1e-4], optimizer_steps=5, scheduler_steps=6), False),
-        ("合成 3：没有有限性保护，NaN 写进了参数",
-         _trace(stepped=[True] * 6, finite=[True, True] + [False] * 4, lrs=lrs + [1e-4], optimizer_steps=6, scheduler_steps=6), False),
-        ("合成 4：少做了一次有效更新（第 4 次尝试没有 step）",
-         _trace(stepped=[True, True, False, True, False, True], finite=[True] * 6, lrs=lrs[:4], optimizer_steps=4, scheduler_steps=4), False),
-        ("合成 5：优化器自己的计数与有效更新不符（state[\"step\"] 多算一次）",
-         _trace(stepped=skip, finite=[True] * 6, lrs=lrs, optimizer_steps=6, scheduler_steps=5), False),
-        ("合成 6：次数都对，但第 3 次有效更新的学习率不是时钟给的",
-         _trace(stepped=skip, finite=[True] * 6, lrs=lrs[:3] + [2e-3, lrs[4]], optimizer_steps=5, scheduler_steps=5), False),
-        ("合成 7：候选在第 1 次尝试抛出异常，运行中断",
-         _trace(stepped=[True], finite=[True], lrs=lrs[:1], optimizer_steps=1, scheduler_steps=1,
-                error="attempt 1, backward: RuntimeError: boom"), False),
+        (
+            "合成 2：跳步也推进调度器（调度器 6 次，第 2 次跳步后学习率超前一步）",
+            _trace(
+                stepped=skip,
+                finite=[True] * 6,
+                lrs=lrs[:2] + lrs[3:] + [1e-4],
+                optimizer_steps=5,
+                scheduler_steps=6,
+            ),
+            False,
+        ),
+        (
+            "合成 3：没有有限性保护，NaN 写进了参数",
+            _trace(
+                stepped=[True] * 6,
+                finite=[True, True] + [False] * 4,
+                lrs=lrs + [1e-4],
+                optimizer_steps=6,
+                scheduler_steps=6,
+            ),
+            False,
+        ),
+        (
+            "合成 4：少做了一次有效更新（第 4 次尝试没有 step）",
+            _trace(
+                stepped=[True, True, False, True, False, True],
+                finite=[True] * 6,
+                lrs=lrs[:4],
+                optimizer_steps=4,
+                scheduler_steps=4,
+            ),
+            False,
+        ),
+        (
+            '合成 5：优化器自己的计数与有效更新不符（state["step"] 多算一次）',
+            _trace(stepped=skip, finite=[True] * 6, lrs=lrs, optimizer_steps=6, scheduler_steps=5),
+            False,
+        ),
+        (
+            "合成 6：次数都对，但第 3 次有效更新的学习率不是时钟给的",
+            _trace(
+                stepped=skip,
+                finite=[True] * 6,
+                lrs=lrs[:3] + [2e-3, lrs[4]],
+                optimizer_steps=5,
+                scheduler_steps=5,
+            ),
+            False,
+        ),
+        (
+            "合成 7：候选在第 1 次尝试抛出异常，运行中断",
+            _trace(
+                stepped=[True],
+                finite=[True],
+                lrs=lrs[:1],
+                optimizer_steps=1,
+                scheduler_steps=1,
+                error="attempt 1, backward: RuntimeError: boom",
+            ),
+            False,
+        ),
     ]
 
     def judge(where, r, cand, expected_lrs, want):
@@ -150,16 +274,21 @@ def _task6_update_gate(run: _Run) -> None:
         if not isinstance(message, str) or not message.strip():
             raise _Wrong(f"✗ {where}：message 应是一句说明（拦下时说出证据），你返回了 {message!r}")
         if bool(passed) is not want:
-            raise _Wrong(f"✗ {where}：你的门{'放行了' if passed else '拦下了'}它（“{message.strip()[:80]}”），应当"
-                         f"{'不通过：这个埋入的错误漏过去了' if not want else '通过：这是误报'}",
-                         f"{where.split('：', 1)[-1]}：应{'通过' if want else '不通过'}")
+            raise _Wrong(
+                f"✗ {where}：你的门{'放行了' if passed else '拦下了'}它（“{message.strip()[:80]}”），应当"
+                f"{'不通过：这个埋入的错误漏过去了' if not want else '通过：这是误报'}",
+                f"{where.split('：', 1)[-1]}：应{'通过' if want else '不通过'}",
+            )
         run.ok(f"{where}：{'通过' if want else '拦下'}（“{message.strip()[:60]}”）")
 
     for where, cand, want in synthetic:
         judge(where, ref, cand, lrs, want)
     traces = _gate_traces()
-    real = [("真实运行：参照自己", "reference", True), ("真实运行：正确的 FP16 候选", "fp16", True),
-            ("真实运行：埋入错误“跳步也推进调度器”", "scheduler_every_attempt", False),
-            ("真实运行：埋入错误“没有有限性保护的更新”", "step_without_guard", False)]
+    real = [
+        ("真实运行：参照自己", "reference", True),
+        ("真实运行：正确的 FP16 候选", "fp16", True),
+        ("真实运行：埋入错误“跳步也推进调度器”", "scheduler_every_attempt", False),
+        ("真实运行：埋入错误“没有有限性保护的更新”", "step_without_guard", False),
+    ]
     for where, key, want in real:
         judge(where, traces["reference"], traces[key], traces["expected_lrs"], want)

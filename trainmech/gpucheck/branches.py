@@ -25,6 +25,37 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainmech import ledger, measure, profiles, workload
 from trainmech.errors import TrainmechError
 
+__all__ = [
+    "CheckFailed",
+    "require",
+    "Probe",
+    "check_session",
+    "check_timing_and_peaks",
+    "check_step_memory",
+    "check_memory_history",
+    "dispatched_attention_kernel",
+    "check_ledger_on_device",
+    "check_offload",
+    "check_save_on_cpu",
+    "check_gates",
+    "check_scenarios",
+    "check_strategy_records",
+    "check_rng_resume",
+    "check_distributed_torchrun",
+    "check_distributed_spawn",
+    "Branch",
+    "PACKAGE",
+    "NOT_BRANCHES",
+    "NOTEBOOK_CELLS",
+    "KERNEL_CHOICE_CELLS",
+    "registry",
+    "covered",
+    "notebook_cells",
+    "result_row",
+    "with_expectation",
+    "repo_path",
+]
+
 
 class CheckFailed(AssertionError):
     """A check's finding, in one line."""
@@ -98,14 +129,25 @@ def check_session(probe: Probe) -> str:
     with tempfile.TemporaryDirectory() as scratch:
         s = session.start(probe.mode, "gpu-check", page="gpu-check", results_dir=scratch)
     env = s.environment
-    require(s.on_cuda == probe.cuda and env["device"] == str(s.device), f"session device {env['device']}, on_cuda={s.on_cuda}")
+    require(
+        s.on_cuda == probe.cuda and env["device"] == str(s.device),
+        f"session device {env['device']}, on_cuda={s.on_cuda}",
+    )
     problems = profiles.version_problems(s.profile)
     require(not problems, "; ".join(problems))
     if probe.cuda:
-        require(bool(env["gpu"]) and bool(env["cuda"]) and env["gpu_memory_bytes"] > 0, f"environment lacks GPU facts: {env}")
-        return f"{env['device']}: {env['gpu']}, CUDA {env['cuda']}, {env['gpu_memory_bytes'] / 2**30:.0f} GiB; torch {env['torch']}, " \
-               f"transformers {env['transformers']} satisfy {s.profile.profile_id}"
-    require(env["gpu"] is None and env["cuda"] is None and env["gpu_memory_bytes"] is None, f"CPU session reports a GPU: {env}")
+        require(
+            bool(env["gpu"]) and bool(env["cuda"]) and env["gpu_memory_bytes"] > 0,
+            f"environment lacks GPU facts: {env}",
+        )
+        return (
+            f"{env['device']}: {env['gpu']}, CUDA {env['cuda']}, {env['gpu_memory_bytes'] / 2**30:.0f} GiB; torch {env['torch']}, "
+            f"transformers {env['transformers']} satisfy {s.profile.profile_id}"
+        )
+    require(
+        env["gpu"] is None and env["cuda"] is None and env["gpu_memory_bytes"] is None,
+        f"CPU session reports a GPU: {env}",
+    )
     refused = []
     for start in (lambda: session.start("TRAIN-CUDA-MECHANISM", "x"), _runner_cuda):
         try:
@@ -124,21 +166,34 @@ def _runner_cuda():
 
 def check_timing_and_peaks(probe: Probe) -> str:
     n = 32 << 20
-    _, seconds = measure.timed(lambda: torch.ones(n, dtype=torch.uint8, device=probe.device).sum(), probe.device)
+    _, seconds = measure.timed(
+        lambda: torch.ones(n, dtype=torch.uint8, device=probe.device).sum(), probe.device
+    )
     require(seconds > 0, f"timed() returned {seconds} s")
     with measure.allocator_window(probe.device) as window:
         a = torch.ones(n, dtype=torch.uint8, device=probe.device)
         b = torch.ones(2 * n, dtype=torch.uint8, device=probe.device)
         del a, b
     above = window.peak_above_start
-    require(3 * n <= above <= 3 * n + (2 << 20), f"{window.source}: peak {above:,} B above the start for 3 x {n:,} B alive at once")
+    require(
+        3 * n <= above <= 3 * n + (2 << 20),
+        f"{window.source}: peak {above:,} B above the start for 3 x {n:,} B alive at once",
+    )
     peaks, allocated = measure.cuda_peaks(probe.device), measure.cuda_allocated(probe.device)
     if probe.cuda:
-        require(peaks["peak_allocated_bytes"] >= window.start_bytes + 3 * n and allocated is not None,
-                f"cuda_peaks {peaks} below the window's {window.start_bytes + 3 * n:,} B")
-        require(peaks["peak_reserved_bytes"] >= peaks["peak_allocated_bytes"], f"reserved below allocated: {peaks}")
+        require(
+            peaks["peak_allocated_bytes"] >= window.start_bytes + 3 * n and allocated is not None,
+            f"cuda_peaks {peaks} below the window's {window.start_bytes + 3 * n:,} B",
+        )
+        require(
+            peaks["peak_reserved_bytes"] >= peaks["peak_allocated_bytes"],
+            f"reserved below allocated: {peaks}",
+        )
     else:
-        require(set(peaks.values()) == {None} and allocated is None, f"CPU peaks must be None (unknown), got {peaks}, {allocated}")
+        require(
+            set(peaks.values()) == {None} and allocated is None,
+            f"CPU peaks must be None (unknown), got {peaks}, {allocated}",
+        )
     return f"{window.source}: {above:,} B above the start for 3 x {n >> 20} MiB alive at once; timed {seconds * 1e3:.2f} ms"
 
 
@@ -153,8 +208,11 @@ def check_step_memory(probe: Probe) -> str:
         require(step.step_peak_allocated_bytes is not None, "no allocator peak over the step")
         ratios.append(step.step_peak_allocated_bytes / step.peak_bytes)
     low, high = (0.97, 1.5) if probe.cuda else (0.99, 1.01)
-    require(all(low <= r <= high for r in ratios), f"allocator / tracked peak {ratios[0]:.3f} (first), {ratios[1]:.3f} (steady), "
-                                                    f"outside [{low}, {high}]")
+    require(
+        all(low <= r <= high for r in ratios),
+        f"allocator / tracked peak {ratios[0]:.3f} (first), {ratios[1]:.3f} (steady), "
+        f"outside [{low}, {high}]",
+    )
     return f"allocator ({allocator or 'cuda'}) / tracked tensor peak: first {ratios[0]:.3f}, steady {ratios[1]:.3f}"
 
 
@@ -167,13 +225,27 @@ def check_memory_history(probe: Probe) -> str:
     timeline = measure.step_history(history, [step])
     tracked = [b for b in timeline.blocks if b.category != "allocator only"]
     if not probe.cuda:
-        require(dict(history) == {} and history.source is None, f"history off CUDA must stay empty, got {dict(history)}")
-        require(timeline.source == "storage-tracker" and len(tracked) == len(step.allocations), "the tracker's history lost blocks")
+        require(
+            dict(history) == {} and history.source is None,
+            f"history off CUDA must stay empty, got {dict(history)}",
+        )
+        require(
+            timeline.source == "storage-tracker" and len(tracked) == len(step.allocations),
+            "the tracker's history lost blocks",
+        )
         return f"off CUDA the tracker's history stands in: {len(timeline.blocks)} blocks"
-    require(history.get("alloc_events", 0) >= len(step.allocations) and history.get("segments", 0) >= 1, f"history recorded {dict(history)}")
-    require(len(tracked) >= 0.95 * len(step.allocations), f"only {len(tracked)} of {len(step.allocations)} tracked storages matched")
-    return f"{history['alloc_events']} alloc / {history['free_events']} free events, {history['segments']} segment(s), " \
-           f"{history['reserved_bytes']:,} B reserved; {len(tracked)} blocks labelled, {len(timeline.blocks) - len(tracked)} allocator-only"
+    require(
+        history.get("alloc_events", 0) >= len(step.allocations) and history.get("segments", 0) >= 1,
+        f"history recorded {dict(history)}",
+    )
+    require(
+        len(tracked) >= 0.95 * len(step.allocations),
+        f"only {len(tracked)} of {len(step.allocations)} tracked storages matched",
+    )
+    return (
+        f"{history['alloc_events']} alloc / {history['free_events']} free events, {history['segments']} segment(s), "
+        f"{history['reserved_bytes']:,} B reserved; {len(tracked)} blocks labelled, {len(timeline.blocks) - len(tracked)} allocator-only"
+    )
 
 
 class _SdpaOps(TorchDispatchMode):
@@ -187,7 +259,9 @@ class _SdpaOps(TorchDispatchMode):
         name = func.__name__
         if "scaled_dot_product" in name or name.startswith("bmm"):
             self.names.add(name.split(".")[0])
-        elif name.startswith(("_softmax", "_safe_softmax", "softmax")):  # the attention's, not the loss's log_softmax
+        elif name.startswith(
+            ("_softmax", "_safe_softmax", "softmax")
+        ):  # the attention's, not the loss's log_softmax
             self.names.add("softmax")
         return func(*args, **(kwargs or {}))
 
@@ -200,31 +274,48 @@ def dispatched_attention_kernel(model: torch.nn.Module, batch: dict) -> str:
     for kernel in ("flash", "efficient", "cudnn"):
         if any(n.startswith(f"_scaled_dot_product_{kernel}_attention") for n in ops.names):
             return kernel
-    return "math" if {"bmm", "softmax"} <= ops.names else f"unknown ({', '.join(sorted(ops.names)) or 'no attention op'})"
+    return (
+        "math"
+        if {"bmm", "softmax"} <= ops.names
+        else f"unknown ({', '.join(sorted(ops.names)) or 'no attention op'})"
+    )
 
 
 def check_ledger_on_device(probe: Probe) -> str:
     """The kernel the ledger assumes is the one the forward dispatches (unpadded and padded), the peaks are
     predicted within 5 %, and (CUDA) the allocator model's allocated / reserved peaks beside the measured ones."""
-    first, steady = ledger.measure_point(probe.model_name, probe.batch, probe.seq, run_mode=probe.mode, seed=0)
+    first, steady = ledger.measure_point(
+        probe.model_name, probe.batch, probe.seq, run_mode=probe.mode, seed=0
+    )
     shape = first.predicted.shape
     kernels = []
     for padded in (False, True):
         assumed = ledger.attention_kernel(shape, "fp32", probe.device.type, padded=padded)
         data = ledger.padded_batch(probe.batch, probe.seq) if padded else probe.lm_batch()
         ran = dispatched_attention_kernel(probe.model(), {k: v.to(probe.device) for k, v in data.items()})
-        require(ran == assumed, f"the ledger assumes the {assumed} kernel for fp32 on {probe.device.type}"
-                                f"{' with padding' if padded else ''}, the forward ran {ran}")
+        require(
+            ran == assumed,
+            f"the ledger assumes the {assumed} kernel for fp32 on {probe.device.type}"
+            f"{' with padding' if padded else ''}, the forward ran {ran}",
+        )
         kernels.append(ran)
     errors = f"peak error first {first.error:+.1%}, steady {steady.error:+.1%}"
-    require(abs(first.error) <= 0.05 and abs(steady.error) <= 0.05, f"the ledger's peak is off by more than 5 %: {errors}")
+    require(
+        abs(first.error) <= 0.05 and abs(steady.error) <= 0.05,
+        f"the ledger's peak is off by more than 5 %: {errors}",
+    )
     model = ledger.allocator.cuda_peaks(first.predicted, steady.predicted)
-    require(model.reserved_peak >= model.allocated_peak >= model.tensor_peak, f"allocator model out of order: {model}")
+    require(
+        model.reserved_peak >= model.allocated_peak >= model.tensor_peak,
+        f"allocator model out of order: {model}",
+    )
     gpu = ""
     if probe.cuda:
         m = steady.measured
-        gpu = (f"; allocator model allocated {model.allocated_peak / m.peak_allocated_bytes - 1:+.1%}, "
-               f"reserved {model.reserved_peak / m.peak_reserved_bytes - 1:+.1%} off the measured peaks")
+        gpu = (
+            f"; allocator model allocated {model.allocated_peak / m.peak_allocated_bytes - 1:+.1%}, "
+            f"reserved {model.reserved_peak / m.peak_reserved_bytes - 1:+.1%} off the measured peaks"
+        )
     return f"kernels {kernels[0]} / {kernels[1]} (padded) as the ledger assumes; foreach={probe.cuda}; {errors}{gpu}"
 
 
@@ -244,14 +335,29 @@ def check_offload(probe: Probe) -> str:
     st = runs[0]
     same, how = _same(probe, ours, ref)
     require(same, f"gradients under ActivationOffload differ from the baseline ({how})")
-    require(st.d2h_bytes == st.h2d_bytes > 0 and st.prefetched > 0 and st.on_demand == 0, f"transfer bookkeeping: {st}")
-    require(runs[1].host_chunks_allocated == 0, f"the second step allocated {runs[1].host_chunks_allocated} new host chunk(s)")
-    timed_ok = (st.transfer_s is not None and st.transfer_s > 0 and st.exposed_transfer_s is not None) if probe.cuda else \
-        (st.transfer_s is None and st.exposed_transfer_s is None)
+    require(
+        st.d2h_bytes == st.h2d_bytes > 0 and st.prefetched > 0 and st.on_demand == 0,
+        f"transfer bookkeeping: {st}",
+    )
+    require(
+        runs[1].host_chunks_allocated == 0,
+        f"the second step allocated {runs[1].host_chunks_allocated} new host chunk(s)",
+    )
+    timed_ok = (
+        (st.transfer_s is not None and st.transfer_s > 0 and st.exposed_transfer_s is not None)
+        if probe.cuda
+        else (st.transfer_s is None and st.exposed_transfer_s is None)
+    )
     require(timed_ok, f"transfer times {st.transfer_s} / {st.exposed_transfer_s} on {probe.device.type}")
-    times = f", copies {st.transfer_s * 1e3:.2f} ms, exposed {st.exposed_transfer_s * 1e3:.2f} ms" if probe.cuda else ""
-    return f"gradients equal ({how}); {st.offloaded} storages, {st.d2h_bytes:,} B each way, {st.prefetched} prefetched, " \
-           f"arena reused{times}"
+    times = (
+        f", copies {st.transfer_s * 1e3:.2f} ms, exposed {st.exposed_transfer_s * 1e3:.2f} ms"
+        if probe.cuda
+        else ""
+    )
+    return (
+        f"gradients equal ({how}); {st.offloaded} storages, {st.d2h_bytes:,} B each way, {st.prefetched} prefetched, "
+        f"arena reused{times}"
+    )
 
 
 def check_save_on_cpu(probe: Probe) -> str:
@@ -267,29 +373,64 @@ def check_save_on_cpu(probe: Probe) -> str:
     require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
     require(st.d2h_bytes == st.h2d_bytes > 0, f"bytes: {st}")
     require((st.transfer_s is not None) == probe.cuda, f"transfer_s {st.transfer_s} on {probe.device.type}")
-    return f"gradients equal ({how}); {st.d2h_bytes:,} B each way" + (f", {st.transfer_s * 1e3:.2f} ms of copies" if probe.cuda else "")
+    return f"gradients equal ({how}); {st.d2h_bytes:,} B each way" + (
+        f", {st.transfer_s * 1e3:.2f} ms of copies" if probe.cuda else ""
+    )
 
 
 def check_gates(probe: Probe) -> str:
     from trainmech import candidates, gates
 
-    gw = candidates.gate_workload(probe.model(), rows=4, seq=probe.seq, micro_batches=2, attempts=3, warmup_updates=1,
-                                  decay_updates=1, dropout=0.1)
+    gw = candidates.gate_workload(
+        probe.model(),
+        rows=4,
+        seq=probe.seq,
+        micro_batches=2,
+        attempts=3,
+        warmup_updates=1,
+        decay_updates=1,
+        dropout=0.1,
+    )
     reference = gates.make_reference(gw)
-    report = gates.judge(candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing), gw,
-                         reference, warmup=1, repeats=2)
-    require(report.failed_gate is None, f"the checkpoint candidate failed the {report.failed_gate} gate: {report.lines()}")
-    fields, table = report.record_fields("gpu-check"), gates.strategy_table(report.reference_performance, {"checkpoint": report})
-    require(fields["conclusion"]["decision"] == report.decision and "checkpoint" in table, "record fields or the strategy table")
+    report = gates.judge(
+        candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing),
+        gw,
+        reference,
+        warmup=1,
+        repeats=2,
+    )
+    require(
+        report.failed_gate is None,
+        f"the checkpoint candidate failed the {report.failed_gate} gate: {report.lines()}",
+    )
+    fields, table = (
+        report.record_fields("gpu-check"),
+        gates.strategy_table(report.reference_performance, {"checkpoint": report}),
+    )
+    require(
+        fields["conclusion"]["decision"] == report.decision and "checkpoint" in table,
+        "record fields or the strategy table",
+    )
     if probe.cuda:
         p = report.performance
-        require(report.outcome in gates.OUTCOMES and report.evidence_level == "gpu-measured" and p.on_gpu
-                and p.forward_backward_reserved_bytes and p.cuda_context_bytes is not None and p.bytes_per_row > 0,
-                f"outcome {report.outcome} ({report.evidence_level}): {report.reason}; {p}")
+        require(
+            report.outcome in gates.OUTCOMES
+            and report.evidence_level == "gpu-measured"
+            and p.on_gpu
+            and p.forward_backward_reserved_bytes
+            and p.cuda_context_bytes is not None
+            and p.bytes_per_row > 0,
+            f"outcome {report.outcome} ({report.evidence_level}): {report.reason}; {p}",
+        )
     else:
-        require(report.outcome is None and report.evidence_level == "cpu-mechanism", f"CPU outcome {report.outcome}")
-    return f"checkpoint candidate passes gates 1-4 (RNG, noise floor); outcome {report.outcome or 'null'} ({report.evidence_level}): " \
-           f"{report.reason}"
+        require(
+            report.outcome is None and report.evidence_level == "cpu-mechanism",
+            f"CPU outcome {report.outcome}",
+        )
+    return (
+        f"checkpoint candidate passes gates 1-4 (RNG, noise floor); outcome {report.outcome or 'null'} ({report.evidence_level}): "
+        f"{report.reason}"
+    )
 
 
 def check_scenarios(probe: Probe) -> str:
@@ -299,19 +440,41 @@ def check_scenarios(probe: Probe) -> str:
     model = probe.model()
     batch = probe.lm_batch()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    optimizers = {"foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
-                  "in-backward": lambda ps: OptimizerInBackward(ps, lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=probe.cuda))}
-    got = ledger.measure_matrix(model, batch, initial, strategies={"baseline": None, "checkpoint": candidates.activation_checkpointing},
-                                optimizers=optimizers)
-    rows = ledger.scenario_matrix(model.config, probe.batch, probe.seq, device=probe.device.type, strategies=("baseline", "checkpoint"),
-                                  optimizer_steps=tuple(optimizers))
-    tracked = ledger.scenarios.worst_peak_error(rows, {k: (m.forward_backward_bytes, m.whole_bytes) for k, m in got.items()})
+    optimizers = {
+        "foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
+        "in-backward": lambda ps: OptimizerInBackward(
+            ps, lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=probe.cuda)
+        ),
+    }
+    got = ledger.measure_matrix(
+        model,
+        batch,
+        initial,
+        strategies={"baseline": None, "checkpoint": candidates.activation_checkpointing},
+        optimizers=optimizers,
+    )
+    rows = ledger.scenario_matrix(
+        model.config,
+        probe.batch,
+        probe.seq,
+        device=probe.device.type,
+        strategies=("baseline", "checkpoint"),
+        optimizer_steps=tuple(optimizers),
+    )
+    tracked = ledger.scenarios.worst_peak_error(
+        rows, {k: (m.forward_backward_bytes, m.whole_bytes) for k, m in got.items()}
+    )
     if probe.cuda:
         allocated = {k: (m.forward_backward_allocated, m.whole_allocated) for k, m in got.items()}
         require(all(a and b for a, b in allocated.values()), f"allocator peaks missing: {allocated}")
-        return f"{len(rows)} scenarios measured; ledger vs tracked bytes worst {tracked:.1%}, vs allocated worst " \
-               f"{ledger.scenarios.worst_peak_error(rows, allocated):.1%} (accuracy targets: issue 15)"
-    require(tracked <= 0.01 and all(m.whole_allocated is None for m in got.values()), f"ledger vs tracked bytes {tracked:.2%}")
+        return (
+            f"{len(rows)} scenarios measured; ledger vs tracked bytes worst {tracked:.1%}, vs allocated worst "
+            f"{ledger.scenarios.worst_peak_error(rows, allocated):.1%} (accuracy targets: issue 15)"
+        )
+    require(
+        tracked <= 0.01 and all(m.whole_allocated is None for m in got.values()),
+        f"ledger vs tracked bytes {tracked:.2%}",
+    )
     return f"{len(rows)} scenarios: the ledger's views within {tracked:.2%} of the tracked bytes; allocator fields null off CUDA"
 
 
@@ -325,24 +488,51 @@ def check_strategy_records(probe: Probe) -> str:
     base = tracing.run_trace(baseline, gw, keep_weights=True)
     cand = candidates.candidate("hf-checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing)
     trace = tracing.run_trace(cand, gw, teacher=base)
-    run = strategy_records.StrategyRun("hf-checkpoint", "TRAIN-CHECKPOINT", 2, trace, gates.gradients_gate(base, trace, "float32"))
+    run = strategy_records.StrategyRun(
+        "hf-checkpoint", "TRAIN-CHECKPOINT", 2, trace, gates.gradients_gate(base, trace, "float32")
+    )
     require(run.verdict.passed, run.verdict.message)
     run.performance, run.reference_performance = tracing.remeasure(cand, baseline, gw, warmup=1, repeats=2)
     fields = run.record_fields("gpu-check")
     state = gw.fresh_state(baseline)
     baseline.backward(state, gw.windows[0])
     baseline.update(state)
-    books = {s: ledger.scenario_ledger(model.config, probe.batch, probe.seq, strategy=s, update="steady", device=probe.device.type)
-             for s in ("baseline", "checkpoint")}
-    steps = [ledger.tracked_step(model, state.optimizer, batch, c) for c in (None, candidates.activation_checkpointing)]
-    ledger_record = strategy_records.ledger_fields("hf-checkpoint", books["checkpoint"], steps[1], steps[0], books["baseline"],
-                                                   model=probe.model_name, min_bytes=None)
+    books = {
+        s: ledger.scenario_ledger(
+            model.config, probe.batch, probe.seq, strategy=s, update="steady", device=probe.device.type
+        )
+        for s in ("baseline", "checkpoint")
+    }
+    steps = [
+        ledger.tracked_step(model, state.optimizer, batch, c)
+        for c in (None, candidates.activation_checkpointing)
+    ]
+    ledger_record = strategy_records.ledger_fields(
+        "hf-checkpoint",
+        books["checkpoint"],
+        steps[1],
+        steps[0],
+        books["baseline"],
+        model=probe.model_name,
+        min_bytes=None,
+    )
     on_gpu = fields["metrics"]["cpu_tracked_peak_bytes"] is None
-    require(on_gpu == probe.cuda and (fields["resources"]["peak_reserved_bytes"] is not None) == probe.cuda,
-            f"record fields on {probe.device.type}: {fields['resources']}")
-    require((ledger_record["resources"]["peak_allocated_bytes"] is not None) == probe.cuda, f"ledger record: {ledger_record['resources']}")
-    return f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}" \
-           + (f"; median x{run.performance.step_time_median_s / run.reference_performance.step_time_median_s:.2f}" if probe.cuda else "")
+    require(
+        on_gpu == probe.cuda and (fields["resources"]["peak_reserved_bytes"] is not None) == probe.cuda,
+        f"record fields on {probe.device.type}: {fields['resources']}",
+    )
+    require(
+        (ledger_record["resources"]["peak_allocated_bytes"] is not None) == probe.cuda,
+        f"ledger record: {ledger_record['resources']}",
+    )
+    return (
+        f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}"
+        + (
+            f"; median x{run.performance.step_time_median_s / run.reference_performance.step_time_median_s:.2f}"
+            if probe.cuda
+            else ""
+        )
+    )
 
 
 def check_rng_resume(probe: Probe) -> str:
@@ -353,7 +543,9 @@ def check_rng_resume(probe: Probe) -> str:
     _fwd_bwd(model, probe.lm_batch())
     optimizer.step()
     with tempfile.TemporaryDirectory() as folder:
-        update.save_training_state(folder, model=model, optimizer=optimizer, scaler=None, clock=update.UpdateClock(), data_position=7)
+        update.save_training_state(
+            folder, model=model, optimizer=optimizer, scaler=None, clock=update.UpdateClock(), data_position=7
+        )
         drawn = torch.rand(8, device=probe.device)
         before = [p.detach().clone() for p in model.parameters()]
         with torch.no_grad():
@@ -362,7 +554,10 @@ def check_rng_resume(probe: Probe) -> str:
         _, position = update.load_training_state(folder, model=model, optimizer=optimizer, scaler=None)
         again = torch.rand(8, device=probe.device)
     require(torch.equal(drawn, again), f"the {probe.device.type} RNG was not restored")
-    require(position == 7 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), "model or position not restored")
+    require(
+        position == 7 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before)),
+        "model or position not restored",
+    )
     return f"parameters, optimizer and the {probe.device.type} RNG restored from safetensors"
 
 
@@ -372,10 +567,30 @@ def check_distributed_torchrun(probe: Probe) -> str:
     import sys
 
     backend = "nccl" if probe.cuda else "gloo"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
-                          "trainmech.distributed", "--stage", "3", "--backend", backend], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "trainmech.distributed",
+            "--stage",
+            "3",
+            "--backend",
+            backend,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [line for line in run.stdout.splitlines() if line.startswith("rank 0/1")]
-    require(run.returncode == 0 and len(lines) == 1, f"torchrun exit {run.returncode}: {(run.stderr or run.stdout).strip().splitlines()[-1:]}")
+    require(
+        run.returncode == 0 and len(lines) == 1,
+        f"torchrun exit {run.returncode}: {(run.stderr or run.stdout).strip().splitlines()[-1:]}",
+    )
     return f"{backend}: {lines[0][:160]}"
 
 
@@ -387,8 +602,13 @@ def check_distributed_spawn(probe: Probe) -> str:
     method = "auto" if probe.cuda else "spawn"
     if probe.cuda:
         torch.zeros(1, device=probe.device)  # CUDA initialised in this process, as in a CUDA-mode notebook
-    reports = distributed.run(stages=(3,), world_sizes=(2,), start_method=method, timeout=300, torch_tracker=())
-    require(len(reports) == 2 and reports[0].held["parameters"] == reports[1].held["parameters"], f"reports {reports}")
+    reports = distributed.run(
+        stages=(3,), world_sizes=(2,), start_method=method, timeout=300, torch_tracker=()
+    )
+    require(
+        len(reports) == 2 and reports[0].held["parameters"] == reports[1].held["parameters"],
+        f"reports {reports}",
+    )
     return f"{method}: 2 workers, FSDP2 stage 3, {reports[0].held['parameters']:,} parameter bytes per rank"
 
 
@@ -410,60 +630,149 @@ class Branch:
 
 
 PACKAGE = [
-    Branch("session", ("session.start", "session.capture_environment", "session.Session.on_cuda", "runner.run"),
-           "profile.device == 'cuda' picks cuda:<current>; the environment reads the GPU's name, memory and CUDA version; "
-           "versions checked against the profile", check_session, 2),
-    Branch("measure.timing", ("measure.timed", "measure.cuda_peaks", "measure.reset_cuda_peaks", "measure.cuda_allocated",
-                              "measure.allocator_window"),
-           "CUDA synchronises around timings and reads the caching allocator's statistics (the CPU: the profiler's)",
-           check_timing_and_peaks, 1),
-    Branch("measure.step_memory", ("measure.training_step_memory",),
-           "the allocator's peak over a tracked step beside the tracked tensor peak (CPU: the profiler's allocator, forced)",
-           check_step_memory, 4),
-    Branch("measure.history", ("measure.cuda_memory_history",),
-           "torch.cuda.memory._record_memory_history(stacks='python') around a tracked step; the snapshot's blocks "
-           "labelled by the tracker (CPU: the tracker's own history)", check_memory_history, 2),
-    Branch("ledger.cuda", ("ledger.inventory.attention_kernel", "ledger.states._state_bytes_per_tensor",
-                           "ledger.book.training_state_lifecycle", "ledger.compare.measure_point",
-                           "ledger.peers.benchmark",
-                           "ledger.cli.render"),
-           "kernel choice: fp32 grouped-query attention falls back to math on CUDA, a padded batch runs the efficient kernel "
-           "(flash on CPU); foreach AdamW temporaries and AdamW's step counters on the host on CUDA; the allocator model's peaks",
-           check_ledger_on_device, 6),
-    Branch("offload", ("offload.hooks.ActivationOffload.__init__", "offload.copies.host_arena", "offload.copies.side_streams",
-                       "offload.copies.CudaCopies._events", "offload.copies.CudaCopies.to_host", "offload.copies.CudaCopies.let_go",
-                       "offload.copies.CudaCopies.to_device", "offload.copies.CudaCopies.before_use", "offload.copies.CudaCopies.read_times"),
-           "pinned host arena, cached D2H / H2D side streams, held sources released at a D2H event, CUDA events for copy and wait "
-           "times read after the step", check_offload, 3),
-    Branch("offload.save_on_cpu", ("offload.save_on_cpu.CountingSaveOnCpu.__init__", "offload.save_on_cpu.CountingSaveOnCpu._mark",
-                                   "offload.save_on_cpu.CountingSaveOnCpu.pack", "offload.save_on_cpu.CountingSaveOnCpu.unpack",
-                                   "offload.save_on_cpu.CountingSaveOnCpu.read_times"),
-           "torch's save_on_cpu with pinned memory, timed by CUDA events read after the step", check_save_on_cpu, 3),
-    Branch("gates.cuda", ("tracing._rng_digest", "tracing._rng_states", "tracing._set_rng_states", "tracing.Performance.on_gpu",
-                          "tracing._peaks", "tracing._end_of_forward", "gates.decide", "gates.performance_verdict",
-                          "gates.Report.record_fields", "gates.strategy_table"),
-           "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks, the CUDA "
-           "context and the bytes per sequence in the performance stage; accept / tune / no-gain", check_gates, 8),
-    Branch("scenarios.measured", ("ledger.compare.measure_matrix", "ledger.compare._allocator_probe"),
-           "the scenario matrix measured with the allocator's peaks after the backward and after the step (CPU: tracked bytes)",
-           check_scenarios, 5),
-    Branch("strategy_records", ("strategy_records.StrategyRun.record_fields", "strategy_records.ledger_fields"),
-           "Task5's records take the allocator's peaks on CUDA, the tracked bytes elsewhere", check_strategy_records, 5),
-    Branch("distributed.torchrun", ("distributed._wrap", "distributed.main"),
-           "trainmech.distributed under torchrun with NCCL: the model on the rank's GPU, DDP device_ids, a cuda DeviceMesh",
-           check_distributed_torchrun, 20),
-    Branch("distributed.spawn", ("distributed.run",),
-           "after CUDA was used in this process the workers are spawned, not forked (CPU: spawn forced)",
-           check_distributed_spawn, 25),
-    Branch("update.rng", ("update._rng_state", "update._set_rng_state"),
-           "the CUDA generator's state saved into and restored from the checkpoint", check_rng_resume, 2),
+    Branch(
+        "session",
+        ("session.start", "session.capture_environment", "session.Session.on_cuda", "runner.run"),
+        "profile.device == 'cuda' picks cuda:<current>; the environment reads the GPU's name, memory and CUDA version; "
+        "versions checked against the profile",
+        check_session,
+        2,
+    ),
+    Branch(
+        "measure.timing",
+        (
+            "measure.timed",
+            "measure.cuda_peaks",
+            "measure.reset_cuda_peaks",
+            "measure.cuda_allocated",
+            "measure.allocator_window",
+        ),
+        "CUDA synchronises around timings and reads the caching allocator's statistics (the CPU: the profiler's)",
+        check_timing_and_peaks,
+        1,
+    ),
+    Branch(
+        "measure.step_memory",
+        ("measure.training_step_memory",),
+        "the allocator's peak over a tracked step beside the tracked tensor peak (CPU: the profiler's allocator, forced)",
+        check_step_memory,
+        4,
+    ),
+    Branch(
+        "measure.history",
+        ("measure.cuda_memory_history",),
+        "torch.cuda.memory._record_memory_history(stacks='python') around a tracked step; the snapshot's blocks "
+        "labelled by the tracker (CPU: the tracker's own history)",
+        check_memory_history,
+        2,
+    ),
+    Branch(
+        "ledger.cuda",
+        (
+            "ledger.inventory.attention_kernel",
+            "ledger.states._state_bytes_per_tensor",
+            "ledger.book.training_state_lifecycle",
+            "ledger.compare.measure_point",
+            "ledger.peers.benchmark",
+            "ledger.cli.render",
+        ),
+        "kernel choice: fp32 grouped-query attention falls back to math on CUDA, a padded batch runs the efficient kernel "
+        "(flash on CPU); foreach AdamW temporaries and AdamW's step counters on the host on CUDA; the allocator model's peaks",
+        check_ledger_on_device,
+        6,
+    ),
+    Branch(
+        "offload",
+        (
+            "offload.hooks.ActivationOffload.__init__",
+            "offload.copies.host_arena",
+            "offload.copies.side_streams",
+            "offload.copies.CudaCopies._events",
+            "offload.copies.CudaCopies.to_host",
+            "offload.copies.CudaCopies.let_go",
+            "offload.copies.CudaCopies.to_device",
+            "offload.copies.CudaCopies.before_use",
+            "offload.copies.CudaCopies.read_times",
+        ),
+        "pinned host arena, cached D2H / H2D side streams, held sources released at a D2H event, CUDA events for copy and wait "
+        "times read after the step",
+        check_offload,
+        3,
+    ),
+    Branch(
+        "offload.save_on_cpu",
+        (
+            "offload.save_on_cpu.CountingSaveOnCpu.__init__",
+            "offload.save_on_cpu.CountingSaveOnCpu._mark",
+            "offload.save_on_cpu.CountingSaveOnCpu.pack",
+            "offload.save_on_cpu.CountingSaveOnCpu.unpack",
+            "offload.save_on_cpu.CountingSaveOnCpu.read_times",
+        ),
+        "torch's save_on_cpu with pinned memory, timed by CUDA events read after the step",
+        check_save_on_cpu,
+        3,
+    ),
+    Branch(
+        "gates.cuda",
+        (
+            "tracing._rng_digest",
+            "tracing._rng_states",
+            "tracing._set_rng_states",
+            "tracing.Performance.on_gpu",
+            "tracing._peaks",
+            "tracing._end_of_forward",
+            "gates.decide",
+            "gates.performance_verdict",
+            "gates.Report.record_fields",
+            "gates.strategy_table",
+        ),
+        "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks, the CUDA "
+        "context and the bytes per sequence in the performance stage; accept / tune / no-gain",
+        check_gates,
+        8,
+    ),
+    Branch(
+        "scenarios.measured",
+        ("ledger.compare.measure_matrix", "ledger.compare._allocator_probe"),
+        "the scenario matrix measured with the allocator's peaks after the backward and after the step (CPU: tracked bytes)",
+        check_scenarios,
+        5,
+    ),
+    Branch(
+        "strategy_records",
+        ("strategy_records.StrategyRun.record_fields", "strategy_records.ledger_fields"),
+        "Task5's records take the allocator's peaks on CUDA, the tracked bytes elsewhere",
+        check_strategy_records,
+        5,
+    ),
+    Branch(
+        "distributed.torchrun",
+        ("distributed._wrap", "distributed.main"),
+        "trainmech.distributed under torchrun with NCCL: the model on the rank's GPU, DDP device_ids, a cuda DeviceMesh",
+        check_distributed_torchrun,
+        20,
+    ),
+    Branch(
+        "distributed.spawn",
+        ("distributed.run",),
+        "after CUDA was used in this process the workers are spawned, not forked (CPU: spawn forced)",
+        check_distributed_spawn,
+        25,
+    ),
+    Branch(
+        "update.rng",
+        ("update._rng_state", "update._set_rng_state"),
+        "the CUDA generator's state saved into and restored from the checkpoint",
+        check_rng_resume,
+        2,
+    ),
 ]
 
 # Not branches, though the scan sees a device string there: why each is no CUDA path.
 NOT_BRANCHES = {
     "measure._cpu_allocator_events": "filters the CPU profiler's events to CPU ones; nothing runs on CUDA",
     "execution.choose_jobs": "decides how many notebooks run at once (one in the CUDA mode); nothing runs on CUDA, "
-                             "tests/test_runner_faults.py covers both sides on a CPU",
+    "tests/test_runner_faults.py covers both sides on a CPU",
     "runner._provenance": "names run.json's intra-op thread count (CPU kernels pin one); nothing runs on CUDA",
 }
 
@@ -506,18 +815,30 @@ NOTEBOOK_CELLS = {
 # (fp32 grouped-query attention runs the math kernel on CUDA). Listed so gpu-check runs and reports
 # them; an issue named is one whose fix they wait for.
 KERNEL_CHOICE_CELLS = {
-    "Task4:layer-saved-inventory": ("the inventory of the kernel ledger.attention_kernel picks for this device (math for CUDA fp32 GQA)", None),
+    "Task4:layer-saved-inventory": (
+        "the inventory of the kernel ledger.attention_kernel picks for this device (math for CUDA fp32 GQA)",
+        None,
+    ),
     "Task4:measure-first-steady": ("per-layer saved bytes against that inventory (1 % claim)", None),
-    "Task5:layer-saved-inventory": ("the layer inventory follows the ledger's kernel for the device (books['baseline'].attention)", None),
-    "Task5:selective": ("the selective checkpoint's saved outputs against the matmul and attention ops a plain forward dispatched "
-                      "(one fused SDPA op on CPU, two bmm with CUDA's math kernel)", None),
+    "Task5:layer-saved-inventory": (
+        "the layer inventory follows the ledger's kernel for the device (books['baseline'].attention)",
+        None,
+    ),
+    "Task5:selective": (
+        "the selective checkpoint's saved outputs against the matmul and attention ops a plain forward dispatched "
+        "(one fused SDPA op on CPU, two bmm with CUDA's math kernel)",
+        None,
+    ),
 }
 
 
 def registry() -> list[Branch]:
     """Every branch: package checks first, then the notebook cells in Task order."""
     cells = [Branch(key, (key,), text) for key, text in NOTEBOOK_CELLS.items()]
-    cells += [Branch(key, (key,), f"kernel choice: {text}", known=issue) for key, (text, issue) in KERNEL_CHOICE_CELLS.items()]
+    cells += [
+        Branch(key, (key,), f"kernel choice: {text}", known=issue)
+        for key, (text, issue) in KERNEL_CHOICE_CELLS.items()
+    ]
     order = lambda b: (int(b.name[4:].split(":")[0]), b.name)  # noqa: E731  (Task4:layer-saved-inventory -> 4)
     return PACKAGE + sorted(cells, key=order)
 
@@ -532,8 +853,15 @@ def notebook_cells(notebook: str) -> list[Branch]:
 
 def result_row(branch: Branch) -> dict:
     """The report row of a branch before it runs."""
-    return {"name": branch.name, "covers": list(branch.covers), "cuda_side": branch.cuda_side, "known": branch.known,
-            "seconds": None, "device_memory_used_peak_bytes": None, "device_memory_used_at_start_bytes": None}
+    return {
+        "name": branch.name,
+        "covers": list(branch.covers),
+        "cuda_side": branch.cuda_side,
+        "known": branch.known,
+        "seconds": None,
+        "device_memory_used_peak_bytes": None,
+        "device_memory_used_at_start_bytes": None,
+    }
 
 
 def with_expectation(row: dict) -> dict:

@@ -19,6 +19,22 @@ from dataclasses import dataclass
 from trainmech import ledger, profiles
 from trainmech.results import REPO_ROOT
 
+__all__ = [
+    "BUDGET_S",
+    "MARGIN",
+    "ASSUMED_FP32_TFLOPS",
+    "GPU_MEMORY_BYTES",
+    "STATE_BYTES_PER_PARAM",
+    "Work",
+    "work",
+    "pass_flops",
+    "fixed_seconds",
+    "notebook_budgets",
+    "split",
+    "render",
+    "seconds_per_flop_from",
+]
+
 BUDGET_S = 600.0  # one device command
 MARGIN = 1.5  # an estimate must fit with this factor to spare
 ASSUMED_FP32_TFLOPS = 25.0  # H200 FP32 without TF32 (PyTorch's default): ~40 % of the 67 TFLOP/s peak
@@ -51,32 +67,99 @@ def work() -> dict[str, tuple[list[Work], int]]:
     splits = lambda wid: len(wl[wid].micro_batches)  # noqa: E731
     updates = wl["default14"].updates
     ckpt, gates_wl = wl["b2s512_default2"], wl["b4s256_gates"]
-    timed = 2 * (3 + 21)  # Task5, Task6: WARMUP_STEPS + TIMED_STEPS on CUDA, for the candidate and the reference beside it
-    peaks = 3 + 1 + 1 + 3  # remeasure's peaks: warm-up, the allocator probe, the tracked update, the bytes per sequence (x1, x2)
+    timed = 2 * (
+        3 + 21
+    )  # Task5, Task6: WARMUP_STEPS + TIMED_STEPS on CUDA, for the candidate and the reference beside it
+    peaks = (
+        3 + 1 + 1 + 3
+    )  # remeasure's peaks: warm-up, the allocator probe, the tracked update, the bytes per sequence (x1, x2)
     return {
-        "Task0": ([_w("loop", wl["loop"].updates + 3, note="the loop + 3 single passes"),
-                   _w("loop", 1, recipe="fp64", note="the float64 copy's pass")], 1),
+        "Task0": (
+            [
+                _w("loop", wl["loop"].updates + 3, note="the loop + 3 single passes"),
+                _w("loop", 1, recipe="fp64", note="the float64 copy's pass"),
+            ],
+            1,
+        ),
         "Task1": ([Work(p.default_model, 2, 16, 8, note="small graph probes")], 0),
-        "Task2": ([_w("b2s32_float64", 12, recipe="fp64", note="hand-written vs autograd, float64 and float32")], 1),
-        "Task3": ([_w(wid, 1 + 3 * (splits(wid) - 1) + splits(wid) * (3 + 20), note="splits + 3 warm-up + 20 timed each")
-                   for wid in ga]
-                  + [_w("default14", 7.5 * updates + 10, note="AMP x3, dynamics x3, continual pretraining")], 3),
-        "Task4": ([Work(m, b, s, 2, note="tracked first + steady update") for m, pts in ledger.CUDA_POINTS.items() for b, s in pts]
-                  + [Work(m, b, s, 2 * 4 / 3, note="checkpointed first + steady (scenarios)") for m, pts in ledger.CUDA_POINTS.items()
-                     for b, s in pts]
-                  + [Work(m, b, s, 1, recipe="bf16", note="bf16 saved-tensor inventory") for m, pts in ledger.CUDA_POINTS.items()
-                     for b, s in pts]
-                  + [Work(p.default_model, 1, 16, 4, note="bytes per parameter, four recipes"),
-                     Work(p.default_model, 1, 32, 8, note="four AdamW variants, first + steady"),
-                     Work(p.default_model, 2, 32, 6, note="autocast, two micro-batches, set_to_none=False")], 1),
-        "Task5": ([Work(ckpt.model, ckpt.batch, ckpt.seq, 2 + 6 + 24 + 4 + 7 + 2 * peaks,
-                        note="baseline trace, tracked steps, 12 scenarios x (2 tracked + 2 probed), in-backward, phase times, "
-                             "the baseline's peaks"),
-                   Work(ckpt.model, ckpt.batch, ckpt.seq, 4 * (2 * ckpt.updates + 1 + peaks + timed) * 4 / 3,
-                        note="4 checkpoint strategies: teacher-forced traces, counts, peaks, timing (+1/3 recompute)"),
-                   Work(ckpt.model, ckpt.batch, ckpt.seq, 2 * (2 * ckpt.updates + peaks + timed), note="save_on_cpu and offload")], 0),
-        "Task6": ([Work(gates_wl.model, gates_wl.batch, gates_wl.seq, 23 * 2 * gates_wl.updates + 5 * (peaks + timed) + peaks + 40,
-                        note="~23 teacher-forced gate traces, 5 performance runs, the reference's peaks, FP16 calibrations")], 1),
+        "Task2": (
+            [_w("b2s32_float64", 12, recipe="fp64", note="hand-written vs autograd, float64 and float32")],
+            1,
+        ),
+        "Task3": (
+            [
+                _w(
+                    wid,
+                    1 + 3 * (splits(wid) - 1) + splits(wid) * (3 + 20),
+                    note="splits + 3 warm-up + 20 timed each",
+                )
+                for wid in ga
+            ]
+            + [_w("default14", 7.5 * updates + 10, note="AMP x3, dynamics x3, continual pretraining")],
+            3,
+        ),
+        "Task4": (
+            [
+                Work(m, b, s, 2, note="tracked first + steady update")
+                for m, pts in ledger.CUDA_POINTS.items()
+                for b, s in pts
+            ]
+            + [
+                Work(m, b, s, 2 * 4 / 3, note="checkpointed first + steady (scenarios)")
+                for m, pts in ledger.CUDA_POINTS.items()
+                for b, s in pts
+            ]
+            + [
+                Work(m, b, s, 1, recipe="bf16", note="bf16 saved-tensor inventory")
+                for m, pts in ledger.CUDA_POINTS.items()
+                for b, s in pts
+            ]
+            + [
+                Work(p.default_model, 1, 16, 4, note="bytes per parameter, four recipes"),
+                Work(p.default_model, 1, 32, 8, note="four AdamW variants, first + steady"),
+                Work(p.default_model, 2, 32, 6, note="autocast, two micro-batches, set_to_none=False"),
+            ],
+            1,
+        ),
+        "Task5": (
+            [
+                Work(
+                    ckpt.model,
+                    ckpt.batch,
+                    ckpt.seq,
+                    2 + 6 + 24 + 4 + 7 + 2 * peaks,
+                    note="baseline trace, tracked steps, 12 scenarios x (2 tracked + 2 probed), in-backward, phase times, "
+                    "the baseline's peaks",
+                ),
+                Work(
+                    ckpt.model,
+                    ckpt.batch,
+                    ckpt.seq,
+                    4 * (2 * ckpt.updates + 1 + peaks + timed) * 4 / 3,
+                    note="4 checkpoint strategies: teacher-forced traces, counts, peaks, timing (+1/3 recompute)",
+                ),
+                Work(
+                    ckpt.model,
+                    ckpt.batch,
+                    ckpt.seq,
+                    2 * (2 * ckpt.updates + peaks + timed),
+                    note="save_on_cpu and offload",
+                ),
+            ],
+            0,
+        ),
+        "Task6": (
+            [
+                Work(
+                    gates_wl.model,
+                    gates_wl.batch,
+                    gates_wl.seq,
+                    23 * 2 * gates_wl.updates + 5 * (peaks + timed) + peaks + 40,
+                    note="~23 teacher-forced gate traces, 5 performance runs, the reference's peaks, FP16 calibrations",
+                )
+            ],
+            1,
+        ),
     }
 
 
@@ -114,12 +197,25 @@ def notebook_budgets(seconds_per_flop: float | None = None, how: str | None = No
             book = ledger.training_state_lifecycle(shape, item.batch, item.seq, dtype=recipe, device="cuda")
             bytes_ = book.peak_overlap().bytes * (2 if item.recipe == "fp64" else 1)
             peak = max(peak, bytes_)
-            seconds += item.passes * pass_flops(shape, item.batch, item.seq) * spf * (2 if item.recipe == "fp64" else 1)
+            seconds += (
+                item.passes
+                * pass_flops(shape, item.batch, item.seq)
+                * spf
+                * (2 if item.recipe == "fp64" else 1)
+            )
             shapes.append(f"b{item.batch}s{item.seq} {item.recipe} x{item.passes:g}")
         n = ledger.model_shape(profiles.for_mode("TRAIN-CUDA-MECHANISM").default_model).n_params
         peak += extra_models * n * STATE_BYTES_PER_PARAM["fp32"]
-        rows.append({"notebook": notebook, "peak_bytes": peak, "seconds": seconds, "extra_models": extra_models,
-                     "passes": shapes, "time_from": how})
+        rows.append(
+            {
+                "notebook": notebook,
+                "peak_bytes": peak,
+                "seconds": seconds,
+                "extra_models": extra_models,
+                "passes": shapes,
+                "time_from": how,
+            }
+        )
     return rows
 
 
@@ -140,18 +236,26 @@ def render(rows: list[dict]) -> list[str]:
     """The budget table and the verdict: one command, or how to split the run."""
     lines = [f"{'notebook':<8} {'ledger peak':>12} {'est. time':>10}  passes on the Qwen2.5-0.5B shape"]
     for r in rows:
-        lines.append(f"{r['notebook']:<8} {r['peak_bytes'] / 2**30:>8.1f} GiB {r['seconds']:>8.0f} s  {'; '.join(r['passes'])}"
-                     + (f"; +{r['extra_models']} model(s) kept" if r["extra_models"] else ""))
+        lines.append(
+            f"{r['notebook']:<8} {r['peak_bytes'] / 2**30:>8.1f} GiB {r['seconds']:>8.0f} s  {'; '.join(r['passes'])}"
+            + (f"; +{r['extra_models']} model(s) kept" if r["extra_models"] else "")
+        )
     total = sum(r["seconds"] for r in rows)
     top = max(r["peak_bytes"] for r in rows)
     groups = split(rows)
-    lines.append(f"{'total':<8} {top / 2**30:>8.1f} GiB {total:>8.0f} s  (time from {rows[0]['time_from']}; "
-                 f"memory: of {GPU_MEMORY_BYTES / 2**30:.0f} GiB)")
+    lines.append(
+        f"{'total':<8} {top / 2**30:>8.1f} GiB {total:>8.0f} s  (time from {rows[0]['time_from']}; "
+        f"memory: of {GPU_MEMORY_BYTES / 2**30:.0f} GiB)"
+    )
     if len(groups) == 1:
-        lines.append(f"verdict: the full run fits one {BUDGET_S / 60:.0f}-minute command with x{MARGIN:g} to spare")
+        lines.append(
+            f"verdict: the full run fits one {BUDGET_S / 60:.0f}-minute command with x{MARGIN:g} to spare"
+        )
     else:
-        lines.append(f"verdict: split the run into {len(groups)} commands: "
-                     + " | ".join("--only " + " ".join(g) for g in groups))
+        lines.append(
+            f"verdict: split the run into {len(groups)} commands: "
+            + " | ".join("--only " + " ".join(g) for g in groups)
+        )
     if top > GPU_MEMORY_BYTES:
         lines.append("warning: a notebook's predicted peak exceeds the GPU's memory")
     return lines

@@ -21,12 +21,37 @@ from pathlib import Path
 
 from trainmech.results import REPO_ROOT
 
+__all__ = [
+    "PREINSTALLED",
+    "BUNDLE",
+    "MAX_BYTES",
+    "TARGET",
+    "GLIBC_MINOR",
+    "target_tags",
+    "canonical",
+    "preinstalled",
+    "pins",
+    "shadows",
+    "runtime_roots",
+    "needed",
+    "requirement_problems",
+    "check_folder",
+]
+
 PREINSTALLED = REPO_ROOT / "profiles" / "cuda-preinstalled.txt"
 BUNDLE = REPO_ROOT / "profiles" / "cuda-bundle.txt"
 MAX_BYTES = 60 * 2**20
-TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
-          "platform_machine": "x86_64", "implementation_name": "cpython", "platform_python_implementation": "CPython",
-          "os_name": "posix", "extra": ""}
+TARGET = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "os_name": "posix",
+    "extra": "",
+}
 GLIBC_MINOR = 39  # the GPU image's glibc is recent: any manylinux_2_N up to this installs
 
 
@@ -36,7 +61,10 @@ def target_tags() -> set:
 
     platforms = [f"manylinux_2_{n}_x86_64" for n in range(GLIBC_MINOR, 4, -1)]
     platforms += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
-    return {*tags.cpython_tags((3, 12), platforms=platforms), *tags.compatible_tags((3, 12), "cp312", platforms)}
+    return {
+        *tags.cpython_tags((3, 12), platforms=platforms),
+        *tags.compatible_tags((3, 12), "cp312", platforms),
+    }
 
 
 def canonical(name: str) -> str:
@@ -44,7 +72,11 @@ def canonical(name: str) -> str:
 
 
 def _lines(path: Path) -> list[str]:
-    return [line.split("#")[0].strip() for line in path.read_text(encoding="utf-8").splitlines() if line.split("#")[0].strip()]
+    return [
+        line.split("#")[0].strip()
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.split("#")[0].strip()
+    ]
 
 
 def preinstalled(path: Path = PREINSTALLED) -> set[str]:
@@ -63,8 +95,11 @@ def pins(path: Path = BUNDLE) -> list[tuple[str, str]]:
 def shadows(path: Path = BUNDLE) -> set[str]:
     """Bundle lines marked `# shadows`: packages the image has, carried newer because a pinned wheel needs
     a floor the image's copy may not reach (the target folder comes first on PYTHONPATH)."""
-    return {canonical(line.split("==")[0]) for line in path.read_text(encoding="utf-8").splitlines()
-            if "==" in line.split("#")[0] and "# shadows" in line}
+    return {
+        canonical(line.split("==")[0])
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if "==" in line.split("#")[0] and "# shadows" in line
+    }
 
 
 def runtime_roots(pyproject: Path = REPO_ROOT / "pyproject.toml") -> list[str]:
@@ -80,7 +115,11 @@ def needed(roots: list[str] | None = None, have: set[str] | None = None) -> tupl
     from packaging.requirements import Requirement
 
     have = preinstalled() if have is None else have
-    found, unresolved, stack = {}, [], [r for r in (runtime_roots() if roots is None else roots) if r not in have]
+    found, unresolved, stack = (
+        {},
+        [],
+        [r for r in (runtime_roots() if roots is None else roots) if r not in have],
+    )
     while stack:
         name = canonical(stack.pop())
         if name in found or name in unresolved or name in have:
@@ -157,5 +196,7 @@ if __name__ == "__main__":  # python -m trainmech.gpucheck.bundle FOLDER
     size = sum(w.stat().st_size for w in folder.glob("*.whl"))
     for line in issues:
         print(f"gpu-bundle: {line}", file=sys.stderr)
-    print(f"gpu-bundle: {len(list(folder.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {folder}: {'ok' if not issues else 'NOT ok'}")
+    print(
+        f"gpu-bundle: {len(list(folder.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {folder}: {'ok' if not issues else 'NOT ok'}"
+    )
     sys.exit(1 if issues else 0)

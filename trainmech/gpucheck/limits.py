@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+__all__ = ["GB", "Clock", "host_buffer", "copy_bandwidth", "step_phase_times", "offload_bound"]
+
 GB = 1e9
 
 
@@ -129,15 +131,32 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int =
     if clock.cuda:
         torch.cuda.synchronize(device)
     ok = torch.equal(dev_dst.cpu(), host_src) and torch.equal(host_dst, dev_src.cpu())
-    path = (f"pinned host memory <-> {device} (the bus: PCIe or NVLink-C2C), CUDA events, one stream per direction"
-            if pinned else "host buffer -> host buffer on the CPU: no accelerator and no bus; memcpy speed, host clock")
-    return {"path": path, "pinned": pinned, "bytes": nbytes, "repeats": repeats, "copies_equal": ok,
-            "h2d_gbps": nbytes / h2d_s / GB, "d2h_gbps": nbytes / d2h_s / GB,
-            "both_h2d_gbps": nbytes / both_h2d_s / GB, "both_d2h_gbps": nbytes / both_d2h_s / GB}
+    path = (
+        f"pinned host memory <-> {device} (the bus: PCIe or NVLink-C2C), CUDA events, one stream per direction"
+        if pinned
+        else "host buffer -> host buffer on the CPU: no accelerator and no bus; memcpy speed, host clock"
+    )
+    return {
+        "path": path,
+        "pinned": pinned,
+        "bytes": nbytes,
+        "repeats": repeats,
+        "copies_equal": ok,
+        "h2d_gbps": nbytes / h2d_s / GB,
+        "d2h_gbps": nbytes / d2h_s / GB,
+        "both_h2d_gbps": nbytes / both_h2d_s / GB,
+        "both_d2h_gbps": nbytes / both_d2h_s / GB,
+    }
 
 
-def step_phase_times(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer, *,
-                     warmup: int = 2, repeats: int = 5) -> dict:
+def step_phase_times(
+    model: torch.nn.Module,
+    batch: dict,
+    optimizer: torch.optim.Optimizer,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> dict:
     """Median seconds of one training step's forward (with the loss), backward and update.
 
     On CUDA the marks are events on the compute stream, read after the loop: no host
@@ -166,8 +185,14 @@ def step_phase_times(model: torch.nn.Module, batch: dict, optimizer: torch.optim
         phases["update_s"].append(clock.seconds(c, d))
     out = {k: statistics.median(v) for k, v in phases.items()}
     tokens = int(batch["input_ids"].numel())
-    return {**out, "step_s": sum(out.values()), "tokens": tokens, "warmup": warmup, "repeats": repeats,
-            "timer": "CUDA events on the compute stream" if clock.cuda else "host clock (CPU: synchronous)"}
+    return {
+        **out,
+        "step_s": sum(out.values()),
+        "tokens": tokens,
+        "warmup": warmup,
+        "repeats": repeats,
+        "timer": "CUDA events on the compute stream" if clock.cuda else "host clock (CPU: synchronous)",
+    }
 
 
 def offload_bound(bandwidth: dict, phases: dict, d2h_bytes: int, h2d_bytes: int) -> dict:
@@ -176,7 +201,13 @@ def offload_bound(bandwidth: dict, phases: dict, d2h_bytes: int, h2d_bytes: int)
     d2h_s = d2h_bytes / (bandwidth["d2h_gbps"] * GB)
     h2d_s = h2d_bytes / (bandwidth["h2d_gbps"] * GB)
     exposed = max(0.0, d2h_s - phases["forward_s"]) + max(0.0, h2d_s - phases["backward_s"])
-    return {"d2h_bytes": d2h_bytes, "h2d_bytes": h2d_bytes, "d2h_s": d2h_s, "h2d_s": h2d_s,
-            "forward_s": phases["forward_s"], "backward_s": phases["backward_s"],
-            "exposed_transfer_bound_s": exposed,
-            "step_ratio_bound": (phases["step_s"] + exposed) / phases["step_s"]}
+    return {
+        "d2h_bytes": d2h_bytes,
+        "h2d_bytes": h2d_bytes,
+        "d2h_s": d2h_s,
+        "h2d_s": h2d_s,
+        "forward_s": phases["forward_s"],
+        "backward_s": phases["backward_s"],
+        "exposed_transfer_bound_s": exposed,
+        "step_ratio_bound": (phases["step_s"] + exposed) / phases["step_s"],
+    }

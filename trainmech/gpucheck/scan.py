@@ -19,6 +19,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+__all__ = [
+    "PACKAGE_DIR",
+    "NOTEBOOKS_DIR",
+    "FLAGS",
+    "DEVICE_STRINGS",
+    "Site",
+    "package_sites",
+    "notebook_sites",
+    "all_sites",
+    "by_key",
+]
+
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = PACKAGE_DIR.parent / "notebooks"
 FLAGS = frozenset({"on_cuda", "cuda", "on_gpu"})  # attribute or variable names that mean "running on CUDA"
@@ -47,7 +59,8 @@ def _is_torch_cuda_call(node: ast.AST) -> bool:
 
 def _is_device_compare(node: ast.AST) -> bool:
     return isinstance(node, ast.Compare) and any(
-        isinstance(x, ast.Constant) and x.value in DEVICE_STRINGS for x in [node.left, *node.comparators])
+        isinstance(x, ast.Constant) and x.value in DEVICE_STRINGS for x in [node.left, *node.comparators]
+    )
 
 
 def _is_flag(node: ast.AST) -> bool:
@@ -109,8 +122,11 @@ def package_sites(package_dir: Path = PACKAGE_DIR) -> list[Site]:
         if rel.parts[0] == "gpucheck":
             continue  # the checks themselves: they exist to run those branches
         module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
-        out += _sites(path.read_text(encoding="utf-8"), lambda q, m=module: f"{m}.{q}" if q else m,
-                      str(path.relative_to(root)))
+        out += _sites(
+            path.read_text(encoding="utf-8"),
+            lambda q, m=module: f"{m}.{q}" if q else m,
+            str(path.relative_to(root)),
+        )
     return out
 
 
@@ -129,8 +145,11 @@ def notebook_sites(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Site]:
         for cell in nb["cells"]:
             if cell["cell_type"] != "code":
                 continue
-            out += _sites(_cell_source(cell), lambda _q, t=task, c=cell["id"]: f"{t}:{c}",
-                          f"notebooks/{path.name}#{cell['id']}")
+            out += _sites(
+                _cell_source(cell),
+                lambda _q, t=task, c=cell["id"]: f"{t}:{c}",
+                f"notebooks/{path.name}#{cell['id']}",
+            )
     return out
 
 

@@ -24,6 +24,22 @@ from dataclasses import dataclass, field
 
 from trainmech.ledger.clock import AFTER, BEFORE
 
+__all__ = [
+    "BLOCK_ROUND",
+    "SMALL_BLOCK",
+    "SMALL_SEGMENT",
+    "LARGE_SEGMENT",
+    "MIN_LARGE_ALLOC",
+    "ROUND_LARGE",
+    "CUBLAS_WORKSPACE_BYTES",
+    "round_size",
+    "segment_size",
+    "CachingAllocatorModel",
+    "replay",
+    "CudaPeaks",
+    "cuda_peaks",
+]
+
 BLOCK_ROUND = 512  # kMinBlockSize
 SMALL_BLOCK = 1 << 20  # kSmallSize: blocks up to this size come from the small pool
 SMALL_SEGMENT = 2 << 20  # kSmallBuffer
@@ -64,7 +80,9 @@ class CachingAllocatorModel:
     peak_allocated: int = 0
     peak_reserved: int = 0
     _segments: list[list[_Block]] = field(default_factory=list)
-    _free: dict[bool, list[tuple[int, int, int]]] = field(default_factory=lambda: {True: [], False: []})  # small? -> (size, seg, offset)
+    _free: dict[bool, list[tuple[int, int, int]]] = field(
+        default_factory=lambda: {True: [], False: []}
+    )  # small? -> (size, seg, offset)
     _live: dict[object, _Block] = field(default_factory=dict)
 
     def malloc(self, key: object, nbytes: int) -> None:
@@ -127,7 +145,8 @@ def _pieces(book, state) -> list[int]:
         if state.name == "optimizer.step_counters":
             return [4] * len(numels)
         per_tensor = ([dtypes.master_bytes] if dtypes.master_bytes else []) + (
-            [dtypes.moment_bytes] * {"adamw": 2, "sgd-momentum": 1}.get(book.optimizer, 0))
+            [dtypes.moment_bytes] * {"adamw": 2, "sgd-momentum": 1}.get(book.optimizer, 0)
+        )
         return [n * b for n in numels for b in per_tensor]
     if state.name == "optimizer.sqrt_temporaries" and book.setup.optimizer_impl == "foreach":
         return [n * dtypes.moment_bytes for n in numels]
@@ -177,7 +196,9 @@ def cuda_peaks(first_book, steady_book=None) -> CudaPeaks:
     allocator = replay(first_book, CachingAllocatorModel())
     book = first_book
     if steady_book is not None:
-        allocator.peak_allocated = allocator.allocated  # the steady step's own allocated peak; reserved stays cumulative
+        allocator.peak_allocated = (
+            allocator.allocated
+        )  # the steady step's own allocated peak; reserved stays cumulative
         replay(steady_book, allocator, keep_before=False)
         book = steady_book
     return CudaPeaks(book.peak_overlap().bytes, allocator.peak_allocated, allocator.peak_reserved)

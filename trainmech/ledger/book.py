@@ -1,10 +1,10 @@
 """The ledger itself: every state of one training step on the step's clock, and what follows from it.
 
-    book = training_state_lifecycle("qwen2.5-0.5b", batch=2, seq=512, device="cuda")
-    book.peak_overlap()           # the tick and phase of the peak, its bytes, its composition by category
-    book.forward_backward_peak()  # the peak before the update (what checkpointing and offload act on)
-    book.states                   # every State: category, bytes, created / last consumed / released_at tick
-    book.offloaded(min_bytes)     # the same step with activation offload (ActivationOffload's groups, stash, prefetch)
+book = training_state_lifecycle("qwen2.5-0.5b", batch=2, seq=512, device="cuda")
+book.peak_overlap()           # the tick and phase of the peak, its bytes, its composition by category
+book.forward_backward_peak()  # the peak before the update (what checkpointing and offload act on)
+book.states                   # every State: category, bytes, created / last consumed / released_at tick
+book.offloaded(min_bytes)     # the same step with activation offload (ActivationOffload's groups, stash, prefetch)
 """
 
 from __future__ import annotations
@@ -18,11 +18,21 @@ from typing import Any
 
 from trainmech.errors import TrainmechError
 from trainmech.ledger.categories import CATEGORIES
-from trainmech.ledger.clock import AFTER, BEFORE, UPDATE_SUFFIX, State, is_forward_or_backward, phase_of, ticks
+from trainmech.ledger.clock import (
+    AFTER,
+    BEFORE,
+    UPDATE_SUFFIX,
+    State,
+    is_forward_or_backward,
+    phase_of,
+    ticks,
+)
 from trainmech.ledger.inventory import DEVICES, attention_kernel
 from trainmech.ledger.recipes import recipe
-from trainmech.ledger.shape import ModelShape, model_shape
+from trainmech.ledger.shape import model_shape
 from trainmech.ledger.states import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS, Setup, step_states
+
+__all__ = ["Peak", "Ledger", "training_state_lifecycle"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,9 @@ class Ledger:
         """Bytes alive by category at each tick: one pass over the states and one over the ticks."""
         n = len(self.ticks)
         index = {t: k for k, t in enumerate(self.ticks)} | {BEFORE: -1, AFTER: n}
-        change = {c: [0] * n for c in CATEGORIES}  # bytes that become alive (+) or stop being alive (-) at a tick
+        change = {
+            c: [0] * n for c in CATEGORIES
+        }  # bytes that become alive (+) or stop being alive (-) at a tick
         for st in self.states:  # alive from its created tick to its released_at tick, both included
             first, last = max(index[st.created], 0), min(index[st.released_at], n - 1)
             if first <= last:
@@ -85,7 +97,9 @@ class Ledger:
 
     def peak_overlap(self, where=lambda tick: True) -> Peak:
         """The first tick with the most bytes alive (among the ticks `where` accepts), and its composition."""
-        tick, row = max(((t, alive) for t, alive in self.live() if where(t)), key=lambda pair: sum(pair[1].values()))
+        tick, row = max(
+            ((t, alive) for t, alive in self.live() if where(t)), key=lambda pair: sum(pair[1].values())
+        )
         return Peak(tick, sum(row.values()), row)
 
     def forward_backward_peak(self) -> Peak:
@@ -105,7 +119,11 @@ class Ledger:
         tick (an offloaded state whose device copy leaves then) is not counted."""
         index = {t: k for k, t in enumerate(self.ticks)} | {BEFORE: -1, AFTER: len(self.ticks)}
         last = index["loss"]
-        return sum(st.nbytes for st in self.states if st.category == "saved" and index[st.created] <= last < index[st.released_at])
+        return sum(
+            st.nbytes
+            for st in self.states
+            if st.category == "saved" and index[st.created] <= last < index[st.released_at]
+        )
 
     def crossing_lifecycles(self) -> dict[tuple[str, str, str | None], int]:
         """(category, created phase, released phase or None) -> bytes, for the states that cross a phase
@@ -114,13 +132,23 @@ class Ledger:
         for st in self.states:
             if st.created == BEFORE:
                 continue  # parameters, and optimizer states after the first update: alive before the step
-            key = (st.category, phase_of(st.created), None if st.released_at == AFTER else phase_of(st.released_at))
+            key = (
+                st.category,
+                phase_of(st.created),
+                None if st.released_at == AFTER else phase_of(st.released_at),
+            )
             if key[1] != key[2]:
                 out[key] = out.get(key, 0) + st.nbytes
         return out
 
-    def offloaded(self, min_bytes: int = 1 << 20, *, exempt_last: int = 1, prefetch_groups: int = 2,
-                  stash_groups: int = 1) -> Ledger:
+    def offloaded(
+        self,
+        min_bytes: int = 1 << 20,
+        *,
+        exempt_last: int = 1,
+        prefetch_groups: int = 2,
+        stash_groups: int = 1,
+    ) -> Ledger:
         """The same step under `trainmech.offload.ActivationOffload.for_model` (device bytes only; the host
         copies are not on the device); the keyword defaults are the harness's.
 
@@ -141,10 +169,29 @@ class Ledger:
             j = _packing_layer(st, n)
             on_device_until = f"forward.layer.{min(j + stash_groups, n - 1)}"
             back = j + prefetch_groups
-            fetched_at = next(t for t in self.ticks if phase_of(t) == f"backward.layer.{back}") if back < n else first_backward
-            states.append(dataclasses.replace(st, name=st.name + " (until its D2H is waited for)",
-                                              last_consumed=on_device_until, released_at=on_device_until))
-            states.append(State(st.name + " (fetched back)", "saved", st.nbytes, fetched_at, st.last_consumed, st.released_at))
+            fetched_at = (
+                next(t for t in self.ticks if phase_of(t) == f"backward.layer.{back}")
+                if back < n
+                else first_backward
+            )
+            states.append(
+                dataclasses.replace(
+                    st,
+                    name=st.name + " (until its D2H is waited for)",
+                    last_consumed=on_device_until,
+                    released_at=on_device_until,
+                )
+            )
+            states.append(
+                State(
+                    st.name + " (fetched back)",
+                    "saved",
+                    st.nbytes,
+                    fetched_at,
+                    st.last_consumed,
+                    st.released_at,
+                )
+            )
         return dataclasses.replace(self, states=tuple(states))
 
     def offloadable_bytes(self, min_bytes: int = 1 << 20, *, exempt_last: int = 1) -> int:
@@ -153,7 +200,9 @@ class Ledger:
 
     def _offloads(self, st: State, min_bytes: int, exempt_last: int) -> bool:
         n = self.shape.num_layers
-        return st.category == "saved" and st.nbytes >= min_bytes and 0 <= _packing_layer(st, n) < n - exempt_last
+        return (
+            st.category == "saved" and st.nbytes >= min_bytes and 0 <= _packing_layer(st, n) < n - exempt_last
+        )
 
     def lifecycle_rows(self) -> list[tuple[str, str, int, str, str, str]]:
         """(label, category, bytes, created, last consumed, released): states grouped by category and phases.
@@ -161,12 +210,15 @@ class Ledger:
         Phases, not ticks; "before" / "after" for states that outlive the step. A label ending in
         ".*" stands for several tensors with the same lifecycle.
         """
+
         def phase(t: str) -> str:
             return t if t in (BEFORE, AFTER) else phase_of(t)
 
         groups: dict[tuple[str, str, str, str], list[State]] = {}
         for st in self.states:
-            groups.setdefault((st.category, phase(st.created), phase(st.last_consumed), phase(st.released_at)), []).append(st)
+            groups.setdefault(
+                (st.category, phase(st.created), phase(st.last_consumed), phase(st.released_at)), []
+            ).append(st)
         order = {p: k for k, p in enumerate([BEFORE, *dict.fromkeys(phase_of(t) for t in self.ticks), AFTER])}
         rows = []
         for (category, created, consumed, released), members in groups.items():
@@ -180,13 +232,29 @@ class Ledger:
         peak, fwd_bwd = self.peak_overlap(), self.forward_backward_peak()
         s = self.setup
         return {
-            "config": s.shape.name, "model_type": s.shape.model_type, "n_params": s.shape.n_params,
-            "batch": s.batch, "seq": s.seq, "dtype": s.recipe, "optimizer": s.optimizer, "optimizer_impl": s.optimizer_impl,
-            "optimizer_in_backward": s.in_backward, "checkpointing": s.checkpointing, "device": s.device, "attention": s.kernel,
-            "padded": s.padded, "step": "first" if s.first_step else "steady", "micro_batch": s.micro_batch,
-            "micro_batches": s.micro_batches, "set_to_none": s.set_to_none,
-            "peak_bytes": peak.bytes, "peak_phase": peak.phase, "peak_tick": peak.tick, "by_category": peak.by_category,
-            "forward_backward_peak_bytes": fwd_bwd.bytes, "forward_backward_peak_tick": fwd_bwd.tick,
+            "config": s.shape.name,
+            "model_type": s.shape.model_type,
+            "n_params": s.shape.n_params,
+            "batch": s.batch,
+            "seq": s.seq,
+            "dtype": s.recipe,
+            "optimizer": s.optimizer,
+            "optimizer_impl": s.optimizer_impl,
+            "optimizer_in_backward": s.in_backward,
+            "checkpointing": s.checkpointing,
+            "device": s.device,
+            "attention": s.kernel,
+            "padded": s.padded,
+            "step": "first" if s.first_step else "steady",
+            "micro_batch": s.micro_batch,
+            "micro_batches": s.micro_batches,
+            "set_to_none": s.set_to_none,
+            "peak_bytes": peak.bytes,
+            "peak_phase": peak.phase,
+            "peak_tick": peak.tick,
+            "by_category": peak.by_category,
+            "forward_backward_peak_bytes": fwd_bwd.bytes,
+            "forward_backward_peak_tick": fwd_bwd.tick,
             "state_bytes": self.state_bytes(),
             "phases": [{"phase": p, "bytes": v} for p, v in self.by_phase().items()],
         }
@@ -213,11 +281,25 @@ def _one_of(name: str, value: Any, valid: tuple[str, ...]) -> str:
     return value
 
 
-def training_state_lifecycle(config: Any, batch: int, seq: int, *, dtype: str = "fp32", optimizer: str = "adamw",
-                             optimizer_impl: str = "auto", optimizer_in_backward: bool = False, checkpointing: str = "none",
-                             device: str = "cpu", attention: str = "auto", padded: bool = False, first_step: bool = False,
-                             micro_batches: int = 1, micro_batch: int | None = None, set_to_none: bool = True,
-                             gradient_buffers: bool = False) -> Ledger:
+def training_state_lifecycle(
+    config: Any,
+    batch: int,
+    seq: int,
+    *,
+    dtype: str = "fp32",
+    optimizer: str = "adamw",
+    optimizer_impl: str = "auto",
+    optimizer_in_backward: bool = False,
+    checkpointing: str = "none",
+    device: str = "cpu",
+    attention: str = "auto",
+    padded: bool = False,
+    first_step: bool = False,
+    micro_batches: int = 1,
+    micro_batch: int | None = None,
+    set_to_none: bool = True,
+    gradient_buffers: bool = False,
+) -> Ledger:
     """The ledger of one training step: every state, its bytes and its lifecycle.
 
     config: a profile model name, a config.json path, a dict, a transformers config or a ModelShape.
@@ -246,11 +328,29 @@ def training_state_lifecycle(config: Any, batch: int, seq: int, *, dtype: str = 
     if index > k:
         raise TrainmechError(f"micro_batch {index} is past the window of {k} micro-batches")
     if optimizer_in_backward and k > 1:
-        raise TrainmechError("optimizer_in_backward updates inside every backward, so it cannot accumulate gradients over micro-batches")
+        raise TrainmechError(
+            "optimizer_in_backward updates inside every backward, so it cannot accumulate gradients over micro-batches"
+        )
     impl = ("foreach" if device == "cuda" else "loop") if optimizer_impl == "auto" else optimizer_impl
     kernel = attention_kernel(shape, dtype, device, attention, padded=padded)
-    setup = Setup(shape, b, s, dtype, optimizer, impl, bool(optimizer_in_backward), checkpointing, device, kernel, bool(padded),
-                  bool(first_step), index, k, bool(set_to_none), bool(gradient_buffers))
+    setup = Setup(
+        shape,
+        b,
+        s,
+        dtype,
+        optimizer,
+        impl,
+        bool(optimizer_in_backward),
+        checkpointing,
+        device,
+        kernel,
+        bool(padded),
+        bool(first_step),
+        index,
+        k,
+        bool(set_to_none),
+        bool(gradient_buffers),
+    )
     states = step_states(setup)
     updated = {st.created.removesuffix(UPDATE_SUFFIX) for st in states if st.created.endswith(UPDATE_SUFFIX)}
     return Ledger(setup, tuple(ticks(shape.num_layers, checkpointing, updated)), tuple(states))

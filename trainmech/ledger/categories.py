@@ -11,10 +11,25 @@ optimizer asks for for one moment (AdamW's sqrt temporaries).
 
 from __future__ import annotations
 
-CATEGORIES = ("parameters", "gradients", "optimizer_states", "unsaved_activations", "saved", "upstream_grads", "workspace")
+__all__ = ["CATEGORIES", "CATEGORY_ZH", "MODEL_STATES", "BATCH_STATES"]
+
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_states",
+    "unsaved_activations",
+    "saved",
+    "upstream_grads",
+    "workspace",
+)
 CATEGORY_ZH = {
-    "parameters": "参数", "gradients": "梯度", "optimizer_states": "优化器状态", "unsaved_activations": "未保存的激活",
-    "saved": "保存张量", "upstream_grads": "上游梯度", "workspace": "工作区",
+    "parameters": "参数",
+    "gradients": "梯度",
+    "optimizer_states": "优化器状态",
+    "unsaved_activations": "未保存的激活",
+    "saved": "保存张量",
+    "upstream_grads": "上游梯度",
+    "workspace": "工作区",
 }
 MODEL_STATES = ("parameters", "gradients", "optimizer_states")  # ZeRO's "model states"
 BATCH_STATES = ("unsaved_activations", "saved", "upstream_grads", "workspace")  # grow with batch × sequence

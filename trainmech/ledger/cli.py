@@ -1,9 +1,9 @@
 """python -m trainmech ledger: the calculator on top of the ledger.
 
-    python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512 --device cuda
-    python -m trainmech ledger --config path/to/config.json --batch 4 --seq 1024 --dtype autocast-bf16 --json
-    python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512 --device cuda --scenario
-    python -m trainmech ledger --benchmark        # predicted vs measured on this machine, with accelerate and DeepSpeed
+python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512 --device cuda
+python -m trainmech ledger --config path/to/config.json --batch 4 --seq 1024 --dtype autocast-bf16 --json
+python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512 --device cuda --scenario
+python -m trainmech ledger --benchmark        # predicted vs measured on this machine, with accelerate and DeepSpeed
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from trainmech.ledger.inventory import ATTENTION
 from trainmech.ledger.recipes import RECIPES
 from trainmech.ledger.states import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS
 
+__all__ = ["render", "build_parser", "main"]
+
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
@@ -26,7 +28,12 @@ def _mib(n: float) -> str:
 
 def render(book: Ledger) -> str:
     """The calculator's text: per-category table, the peak and the forward+backward peak, what the ledger does not count."""
-    peak, fwd_bwd, biggest, s = book.peak_overlap(), book.forward_backward_peak(), book.state_bytes(), book.setup
+    peak, fwd_bwd, biggest, s = (
+        book.peak_overlap(),
+        book.forward_backward_peak(),
+        book.state_bytes(),
+        book.setup,
+    )
     lines = [
         f"training-state ledger: {s.shape.name} ({s.shape.model_type}, {s.shape.n_params:,} parameters"
         f"{', tied embeddings' if s.shape.tie_word_embeddings else ''})",
@@ -40,31 +47,53 @@ def render(book: Ledger) -> str:
     ]
     for c in CATEGORIES:
         lines.append(f"{c:<20}{_mib(biggest[c]):>20}{_mib(peak.by_category[c]):>20}")
-    lines += [f"{'peak':<20}{'':>20}{_mib(peak.bytes):>20}", "",
-              f"peak: {peak.bytes:,} bytes in phase {peak.phase} (moment {peak.tick})",
-              f"forward+backward peak: {fwd_bwd.bytes:,} bytes at {fwd_bwd.tick}"]
+    lines += [
+        f"{'peak':<20}{'':>20}{_mib(peak.bytes):>20}",
+        "",
+        f"peak: {peak.bytes:,} bytes in phase {peak.phase} (moment {peak.tick})",
+        f"forward+backward peak: {fwd_bwd.bytes:,} bytes at {fwd_bwd.tick}",
+    ]
     if not RECIPES[s.recipe].measured:
-        lines.append(f"note: the {s.recipe} recipe is paper accounting; Task4 compares fp32, bf16 and autocast with measurements")
+        lines.append(
+            f"note: the {s.recipe} recipe is paper accounting; Task4 compares fp32, bf16 and autocast with measurements"
+        )
     if s.device == "cuda":  # the caching allocator's view of the same step (trainmech.ledger.allocator)
-        gpu = allocator.cuda_peaks(training_state_lifecycle(s.shape, s.batch, s.seq, **_options(book, first_step=True)),
-                                   None if s.first_step else book)
+        gpu = allocator.cuda_peaks(
+            training_state_lifecycle(s.shape, s.batch, s.seq, **_options(book, first_step=True)),
+            None if s.first_step else book,
+        )
         low, high = gpu.cublas_workspace_bound
-        lines += ["", "on the GPU, beyond tensor bytes (allocator model, not yet measured):",
-                  f"  allocated peak {gpu.allocated_peak:,} bytes (blocks rounded to 512 B; a block that is not split is counted whole)",
-                  f"  reserved peak  {gpu.reserved_peak:,} bytes (the caching allocator's segments; reserved − allocated "
-                  f"{_mib(gpu.reserved_peak - gpu.allocated_peak)})",
-                  f"  cuBLAS/cuBLASLt workspaces: {_mib(low)} to {_mib(high)} more in allocated (sm90 defaults)",
-                  "  CUDA context (driver, kernels): in neither allocated nor reserved; gpu-check measures it"]
-    lines.append("not counted: the input batch, kernel-internal scratch that never becomes a tensor, communication buffers")
+        lines += [
+            "",
+            "on the GPU, beyond tensor bytes (allocator model, not yet measured):",
+            f"  allocated peak {gpu.allocated_peak:,} bytes (blocks rounded to 512 B; a block that is not split is counted whole)",
+            f"  reserved peak  {gpu.reserved_peak:,} bytes (the caching allocator's segments; reserved − allocated "
+            f"{_mib(gpu.reserved_peak - gpu.allocated_peak)})",
+            f"  cuBLAS/cuBLASLt workspaces: {_mib(low)} to {_mib(high)} more in allocated (sm90 defaults)",
+            "  CUDA context (driver, kernels): in neither allocated nor reserved; gpu-check measures it",
+        ]
+    lines.append(
+        "not counted: the input batch, kernel-internal scratch that never becomes a tensor, communication buffers"
+    )
     return "\n".join(lines)
 
 
 def _options(book: Ledger, **change) -> dict:
     s = book.setup
-    return {"dtype": s.recipe, "optimizer": s.optimizer, "optimizer_impl": s.optimizer_impl, "optimizer_in_backward": s.in_backward,
-            "checkpointing": s.checkpointing, "device": s.device, "attention": s.kernel, "padded": s.padded,
-            "first_step": s.first_step, "micro_batches": s.micro_batches, "micro_batch": s.micro_batch,
-            "set_to_none": s.set_to_none} | change
+    return {
+        "dtype": s.recipe,
+        "optimizer": s.optimizer,
+        "optimizer_impl": s.optimizer_impl,
+        "optimizer_in_backward": s.in_backward,
+        "checkpointing": s.checkpointing,
+        "device": s.device,
+        "attention": s.kernel,
+        "padded": s.padded,
+        "first_step": s.first_step,
+        "micro_batches": s.micro_batches,
+        "micro_batch": s.micro_batch,
+        "set_to_none": s.set_to_none,
+    } | change
 
 
 def build_parser():
@@ -73,25 +102,68 @@ def build_parser():
     parser = OneLineParser(
         prog="python -m trainmech ledger",
         description="Training-state ledger: bytes of parameters, gradients, optimizer states, activations (saved and unsaved), "
-                    "upstream gradients and workspace over one training step, the phase of the peak and what it is made of. "
-                    "Unlike `accelerate estimate-memory` it counts activations and the overlap at the peak.")
-    parser.add_argument("--config", help="a Hugging Face config.json (file or folder) or a profile model name, e.g. qwen2.5-0.5b")
+        "upstream gradients and workspace over one training step, the phase of the peak and what it is made of. "
+        "Unlike `accelerate estimate-memory` it counts activations and the overlap at the peak.",
+    )
+    parser.add_argument(
+        "--config",
+        help="a Hugging Face config.json (file or folder) or a profile model name, e.g. qwen2.5-0.5b",
+    )
     parser.add_argument("--batch", type=int, help="sequences per micro-batch")
     parser.add_argument("--seq", type=int, help="tokens per sequence")
     parser.add_argument("--dtype", default="fp32", help=f"dtype recipe: {', '.join(RECIPES)} (default fp32)")
     parser.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
-    parser.add_argument("--optimizer-impl", default="auto", help=f"{', '.join(OPTIMIZER_IMPLS)} (default auto: loop on cpu, foreach on cuda)")
-    parser.add_argument("--optimizer-in-backward", action="store_true", help="update each parameter in a post-accumulate-grad hook")
-    parser.add_argument("--checkpointing", default="none", help=f"activation checkpointing: {', '.join(CHECKPOINTING)} (default none)")
+    parser.add_argument(
+        "--optimizer-impl",
+        default="auto",
+        help=f"{', '.join(OPTIMIZER_IMPLS)} (default auto: loop on cpu, foreach on cuda)",
+    )
+    parser.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="update each parameter in a post-accumulate-grad hook",
+    )
+    parser.add_argument(
+        "--checkpointing",
+        default="none",
+        help=f"activation checkpointing: {', '.join(CHECKPOINTING)} (default none)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--attention", default="auto", help=f"SDPA kernel: {', '.join(ATTENTION)} (default auto: PyTorch's choice)")
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        help=f"SDPA kernel: {', '.join(ATTENTION)} (default auto: PyTorch's choice)",
+    )
     parser.add_argument("--padded", action="store_true", help="the batch has padding (an attention mask)")
-    parser.add_argument("--first-step", action="store_true", help="the step that creates the optimizer states (default: a later step)")
-    parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation: micro-batches per update (default 1)")
-    parser.add_argument("--keep-grads", action="store_true", help="zero_grad(set_to_none=False): gradients stay allocated as zeros")
-    parser.add_argument("--scenario", action="store_true", help="the scenario matrix: baseline / checkpoint / offload × first / steady update")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (peak_bytes, by_category, …)")
-    parser.add_argument("--benchmark", action="store_true", help="measure the CPU points here: the ledger, accelerate and DeepSpeed vs measured")
+    parser.add_argument(
+        "--first-step",
+        action="store_true",
+        help="the step that creates the optimizer states (default: a later step)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="gradient accumulation: micro-batches per update (default 1)",
+    )
+    parser.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="zero_grad(set_to_none=False): gradients stay allocated as zeros",
+    )
+    parser.add_argument(
+        "--scenario",
+        action="store_true",
+        help="the scenario matrix: baseline / checkpoint / offload × first / steady update",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (peak_bytes, by_category, …)"
+    )
+    parser.add_argument(
+        "--benchmark",
+        action="store_true",
+        help="measure the CPU points here: the ledger, accelerate and DeepSpeed vs measured",
+    )
     return parser
 
 
@@ -106,23 +178,54 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         missing = [f"--{k}" for k in ("config", "batch", "seq") if getattr(args, k) is None]
         if missing:
-            raise TrainmechError(f"missing {', '.join(missing)} (for example --config qwen2.5-0.5b --batch 2 --seq 512)")
-        options = {"dtype": args.dtype, "optimizer": args.optimizer, "optimizer_impl": args.optimizer_impl,
-                   "optimizer_in_backward": args.optimizer_in_backward, "device": args.device, "attention": args.attention,
-                   "padded": args.padded, "set_to_none": not args.keep_grads}
+            raise TrainmechError(
+                f"missing {', '.join(missing)} (for example --config qwen2.5-0.5b --batch 2 --seq 512)"
+            )
+        options = {
+            "dtype": args.dtype,
+            "optimizer": args.optimizer,
+            "optimizer_impl": args.optimizer_impl,
+            "optimizer_in_backward": args.optimizer_in_backward,
+            "device": args.device,
+            "attention": args.attention,
+            "padded": args.padded,
+            "set_to_none": not args.keep_grads,
+        }
         if args.scenario:
             rows = scenarios.scenario_matrix(args.config, args.batch, args.seq, **options)
             if args.json:
-                print(json.dumps([{"strategy": r.strategy, "update": r.update, "peak_bytes": r.whole.bytes, "peak_tick": r.whole.tick,
-                                   "forward_backward_peak_bytes": r.forward_backward.bytes,
-                                   "forward_backward_peak_tick": r.forward_backward.tick} for r in rows], indent=2))
+                print(
+                    json.dumps(
+                        [
+                            {
+                                "strategy": r.strategy,
+                                "update": r.update,
+                                "peak_bytes": r.whole.bytes,
+                                "peak_tick": r.whole.tick,
+                                "forward_backward_peak_bytes": r.forward_backward.bytes,
+                                "forward_backward_peak_tick": r.forward_backward.tick,
+                            }
+                            for r in rows
+                        ],
+                        indent=2,
+                    )
+                )
             else:
-                print(f"scenario matrix: {rows[0].book.shape.name}, batch={args.batch} seq={args.seq} dtype={args.dtype} "
-                      f"device={args.device} ({rows[0].book.setup.optimizer_impl} {args.optimizer})")
+                print(
+                    f"scenario matrix: {rows[0].book.shape.name}, batch={args.batch} seq={args.seq} dtype={args.dtype} "
+                    f"device={args.device} ({rows[0].book.setup.optimizer_impl} {args.optimizer})"
+                )
                 print(scenarios.render_matrix(rows))
             return 0
-        book = training_state_lifecycle(args.config, args.batch, args.seq, checkpointing=args.checkpointing,
-                                        first_step=args.first_step, micro_batches=args.micro_batches, **options)
+        book = training_state_lifecycle(
+            args.config,
+            args.batch,
+            args.seq,
+            checkpointing=args.checkpointing,
+            first_step=args.first_step,
+            micro_batches=args.micro_batches,
+            **options,
+        )
         print(json.dumps(book.to_json(), indent=2) if args.json else render(book))
         return 0
     except TrainmechError as e:

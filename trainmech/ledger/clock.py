@@ -11,15 +11,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+__all__ = [
+    "LAYER_BACKWARD_MOMENTS",
+    "BEFORE",
+    "AFTER",
+    "UPDATE_SUFFIX",
+    "ticks",
+    "phase_of",
+    "is_forward_or_backward",
+    "State",
+]
+
 LAYER_BACKWARD_MOMENTS = ("down_proj", "mlp", "attention", "input_layernorm")
 BEFORE, AFTER = "before", "after"  # a state alive before the step starts / still alive after it ends
-UPDATE_SUFFIX = "+update"  # optimizer-in-backward: the moment after a gradient's tick, when its parameter is updated
+UPDATE_SUFFIX = (
+    "+update"  # optimizer-in-backward: the moment after a gradient's tick, when its parameter is updated
+)
 
 
 def ticks(n_layers: int, checkpointing: str = "none", updated=()) -> list[str]:
     """The moments of one step, in order. updated: ticks followed by an in-backward update (`<tick>+update`)."""
-    out = ["forward.embed", *(f"forward.layer.{i}" for i in range(n_layers)), "forward.head:norm", "forward.head:lm_head", "loss",
-           "backward.loss:nll", "backward.loss:log_softmax", "backward.head:lm_head", "backward.head:norm"]
+    out = [
+        "forward.embed",
+        *(f"forward.layer.{i}" for i in range(n_layers)),
+        "forward.head:norm",
+        "forward.head:lm_head",
+        "loss",
+        "backward.loss:nll",
+        "backward.loss:log_softmax",
+        "backward.head:lm_head",
+        "backward.head:norm",
+    ]
     for i in reversed(range(n_layers)):
         if checkpointing == "full":
             out.append(f"backward.layer.{i}:recompute")

@@ -18,6 +18,22 @@ from trainmech.ledger.book import Ledger, training_state_lifecycle
 from trainmech.ledger.recipes import recipe
 from trainmech.ledger.shape import model_shape
 
+__all__ = [
+    "CPU_POINTS",
+    "CUDA_POINTS",
+    "STEPS",
+    "Comparison",
+    "padded_batch",
+    "measure_point",
+    "measured_bytes_per_param",
+    "UPDATE_TICKS",
+    "measured_peaks",
+    "measured_saved_after_forward",
+    "Measured",
+    "tracked_step",
+    "measure_matrix",
+]
+
 CPU_POINTS = {"qwen2-tiny": [(1, 32), (2, 128), (4, 256)], "qwen2-small": [(1, 64), (2, 128), (2, 256)]}
 CUDA_POINTS = {"qwen2.5-0.5b": [(2, 512)]}
 STEPS = ("first", "steady")
@@ -70,7 +86,11 @@ class Comparison:
         over the states that cross a phase boundary."""
         ours = self.predicted.crossing_lifecycles()
         theirs = {k: v for k, v in self.measured.lifecycles().items() if k[1] != k[2]}
-        return {k: (ours.get(k, 0), theirs.get(k, 0)) for k in ours.keys() | theirs.keys() if ours.get(k, 0) != theirs.get(k, 0)}
+        return {
+            k: (ours.get(k, 0), theirs.get(k, 0))
+            for k in ours.keys() | theirs.keys()
+            if ours.get(k, 0) != theirs.get(k, 0)
+        }
 
     def lifecycle_bytes_error(self) -> float:
         """|ledger − measured| / measured of the bytes of every state that crosses a phase boundary."""
@@ -97,10 +117,23 @@ def _optimizer(params, impl: str, in_backward: bool):
     return optimizers.adamw(params, impl, lr=1e-4)
 
 
-def measure_point(model: str, batch: int, seq: int, *, run_mode: str = "cpu", seed: int = 0, dtype: str = "fp32",
-                  attention: str = "auto", steps: tuple[str, ...] = STEPS, optimizer_impl: str = "auto",
-                  optimizer_in_backward: bool = False, checkpointing: str = "none", padded: bool = False,
-                  micro_batches: int = 1, set_to_none: bool = True) -> list[Comparison]:
+def measure_point(
+    model: str,
+    batch: int,
+    seq: int,
+    *,
+    run_mode: str = "cpu",
+    seed: int = 0,
+    dtype: str = "fp32",
+    attention: str = "auto",
+    steps: tuple[str, ...] = STEPS,
+    optimizer_impl: str = "auto",
+    optimizer_in_backward: bool = False,
+    checkpointing: str = "none",
+    padded: bool = False,
+    micro_batches: int = 1,
+    set_to_none: bool = True,
+) -> list[Comparison]:
     """Build the profile's model, run tracked steps (the first, then a steady one) and pair each with its prediction.
 
     dtype: fp32 / bf16 (the model in that dtype) or autocast-bf16 / autocast-fp16 (an fp32 model, the
@@ -117,36 +150,71 @@ def measure_point(model: str, batch: int, seq: int, *, run_mode: str = "cpu", se
     from trainmech import measure, profiles, workload
 
     if tuple(steps) not in (("first",), STEPS):
-        raise TrainmechError(f"steps must be ('first',) or ('first', 'steady'), got {tuple(steps)!r}: a steady step needs a first one before it")
+        raise TrainmechError(
+            f"steps must be ('first',) or ('first', 'steady'), got {tuple(steps)!r}: a steady step needs a first one before it"
+        )
     dtypes = recipe(dtype)
     if dtypes.master_bytes:
-        raise TrainmechError(f"measure_point runs fp32, bf16 or autocast recipes, not {dtype!r} (paper accounting)")
+        raise TrainmechError(
+            f"measure_point runs fp32, bf16 or autocast recipes, not {dtype!r} (paper accounting)"
+        )
     profile = profiles.for_mode(run_mode)
     device = torch.device("cuda" if profile.device == "cuda" else "cpu")
-    model_dtype = torch.float32 if dtypes.autocast or dtypes.weight_bytes == 4 else torch.bfloat16 if dtype == "bf16" else torch.float16
+    model_dtype = (
+        torch.float32
+        if dtypes.autocast or dtypes.weight_bytes == 4
+        else torch.bfloat16
+        if dtype == "bf16"
+        else torch.float16
+    )
     autocast = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(dtype)
     built = workload.build_model(profile.model(model), seed=seed, dtype=model_dtype, device=device)
     if checkpointing == "full":
-        enable = getattr(built.model, "activation_checkpointing_enable", None) or built.model.gradient_checkpointing_enable
+        enable = (
+            getattr(built.model, "activation_checkpointing_enable", None)
+            or built.model.gradient_checkpointing_enable
+        )
         enable()
     data = padded_batch(batch, seq) if padded else workload.lm_batch("domain", batch, seq)
     data = {k: t.to(device) for k, t in data.items()}
     optimizer = _optimizer(built.model.parameters(), optimizer_impl, optimizer_in_backward)
     shape = model_shape(built.model.config)
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     out = []
     try:
         for step in steps:
             for k in range(1, micro_batches + 1):
                 with sdpa_kernel(backends[attention]) if attention in backends else nullcontext():
                     measured = measure.training_step_memory(
-                        built.model, optimizer, data, grads_at_start=k > 1 or (not set_to_none and step != "first"),
-                        update=k == micro_batches, set_to_none=set_to_none, autocast=autocast)
+                        built.model,
+                        optimizer,
+                        data,
+                        grads_at_start=k > 1 or (not set_to_none and step != "first"),
+                        update=k == micro_batches,
+                        set_to_none=set_to_none,
+                        autocast=autocast,
+                    )
                 if k in (1, micro_batches):
                     predicted = training_state_lifecycle(
-                        shape, batch, seq, dtype=dtype, device=device.type, first_step=step == "first", attention=attention,
-                        optimizer_impl=optimizer_impl, optimizer_in_backward=optimizer_in_backward, checkpointing=checkpointing,
-                        padded=padded, micro_batches=micro_batches, micro_batch=k, set_to_none=set_to_none)
+                        shape,
+                        batch,
+                        seq,
+                        dtype=dtype,
+                        device=device.type,
+                        first_step=step == "first",
+                        attention=attention,
+                        optimizer_impl=optimizer_impl,
+                        optimizer_in_backward=optimizer_in_backward,
+                        checkpointing=checkpointing,
+                        padded=padded,
+                        micro_batches=micro_batches,
+                        micro_batch=k,
+                        set_to_none=set_to_none,
+                    )
                     out.append(Comparison(model, batch, seq, step, predicted, measured, k))
     finally:
         if optimizer_in_backward:
@@ -157,7 +225,7 @@ def measure_point(model: str, batch: int, seq: int, *, run_mode: str = "cpu", se
 def measured_bytes_per_param(model: str, dtype: str, *, run_mode: str = "cpu", seed: int = 0) -> int | float:
     """Model-state bytes per parameter measured in a first AdamW update: the weights, every gradient when
     the update starts, and the two moments it creates (AdamW's per-tensor step counters left out)."""
-    point, = measure_point(model, 1, 16, run_mode=run_mode, seed=seed, dtype=dtype, steps=("first",))
+    (point,) = measure_point(model, 1, 16, run_mode=run_mode, seed=seed, dtype=dtype, steps=("first",))
     step, shape = point.measured, point.predicted.shape
     gradients = step.by_category(step.phases.index("optimizer"))["gradients"]
     counters = 4 * len(shape.parameter_tensors())  # state["step"]: the tracker sees it on the host too
@@ -176,7 +244,9 @@ def measured_peaks(step_memory) -> tuple[int, int]:
     """(forward + backward peak, whole-update peak) of a tracked step (trainmech.measure.StepMemory), in
     tracked tensor bytes with the baseline the step started from."""
     base = sum(step_memory.baseline.values())
-    before_update = [live for live, phase in zip(step_memory.live, step_memory.phases) if phase not in UPDATE_TICKS]
+    before_update = [
+        live for live, phase in zip(step_memory.live, step_memory.phases) if phase not in UPDATE_TICKS
+    ]
     return base + max(before_update), step_memory.peak_bytes
 
 
@@ -205,7 +275,9 @@ def tracked_step(model, optimizer, batch: dict, context=None):
         return measure.training_step_memory(model, optimizer, batch)
 
 
-def measure_matrix(model, batch: dict, initial: dict, *, strategies: dict, optimizers: dict) -> dict[tuple, Measured]:
+def measure_matrix(
+    model, batch: dict, initial: dict, *, strategies: dict, optimizers: dict
+) -> dict[tuple, Measured]:
     """Each (strategy, update, optimizer): a fresh optimizer from `optimizers[name](params)` on the initial weights,
     then the first update and a steady one, each tracked; on CUDA the same two updates again, untracked, with
     the allocator's peaks read after the backward and after the step. strategies: name -> (model -> context) or None."""

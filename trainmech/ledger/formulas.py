@@ -1,14 +1,22 @@
 """Published memory formulas, each with its source, beside the ledger (which counts instead of assuming).
 
-    zero_bytes_per_device       model-state bytes per device under ZeRO stages 0-3 (Rajbhandari et al.)
-    zero_communication_volume   elements each device moves per update under ZeRO (same paper, §7)
-    korthikanti_activation_bytes activation bytes per GPT-style layer (Korthikanti et al.)
-    deepspeed_zero2_gpu_bytes / deepspeed_zero3_gpu_bytes   DeepSpeed's own model-state estimators
+zero_bytes_per_device       model-state bytes per device under ZeRO stages 0-3 (Rajbhandari et al.)
+zero_communication_volume   elements each device moves per update under ZeRO (same paper, §7)
+korthikanti_activation_bytes activation bytes per GPT-style layer (Korthikanti et al.)
+deepspeed_zero2_gpu_bytes / deepspeed_zero3_gpu_bytes   DeepSpeed's own model-state estimators
 """
 
 from __future__ import annotations
 
 from trainmech.errors import TrainmechError
+
+__all__ = [
+    "zero_bytes_per_device",
+    "zero_communication_volume",
+    "korthikanti_activation_bytes",
+    "deepspeed_zero2_gpu_bytes",
+    "deepspeed_zero3_gpu_bytes",
+]
 
 
 def zero_bytes_per_device(n_params: float, n_devices: int, stage: int, k: float = 12) -> float:
@@ -27,7 +35,9 @@ def zero_bytes_per_device(n_params: float, n_devices: int, stage: int, k: float 
     if n_params < 0 or k < 0:
         raise TrainmechError(f"need n_params >= 0 and k >= 0; got {n_params}, {k}")
     psi, n = float(n_params), float(n_devices)
-    return [(2 + 2 + k) * psi, 4 * psi + k * psi / n, 2 * psi + (2 + k) * psi / n, (2 + 2 + k) * psi / n][stage]
+    return [(2 + 2 + k) * psi, 4 * psi + k * psi / n, 2 * psi + (2 + k) * psi / n, (2 + 2 + k) * psi / n][
+        stage
+    ]
 
 
 def zero_communication_volume(n_params: float, stage: int) -> float:
@@ -49,8 +59,9 @@ def _check_stage(stage: int, n_devices: int) -> None:
         raise TrainmechError(f"n_devices must be an integer >= 1, got {n_devices!r}")
 
 
-def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False,
-                                 recompute: str = "none") -> float:
+def korthikanti_activation_bytes(
+    s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False, recompute: str = "none"
+) -> float:
     """Activation bytes per transformer layer of a GPT-style model (16-bit activations, 1-byte dropout masks).
 
     Source: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",

@@ -16,6 +16,16 @@ from trainmech.errors import TrainmechError
 from trainmech.ledger.recipes import FP32_BYTES, recipe
 from trainmech.ledger.shape import ModelShape
 
+__all__ = [
+    "ATTENTION",
+    "DEVICES",
+    "SavedTensor",
+    "attention_kernel",
+    "norm_saved",
+    "attention_saved",
+    "layer_saved",
+]
+
 ATTENTION = ("auto", "flash", "efficient", "math")
 DEVICES = ("cpu", "cuda")
 
@@ -35,7 +45,9 @@ class SavedTensor:
         return math.prod(self.shape) * self.element_bytes
 
 
-def attention_kernel(shape: ModelShape, recipe_name: str, device: str, attention: str = "auto", *, padded: bool = False) -> str:
+def attention_kernel(
+    shape: ModelShape, recipe_name: str, device: str, attention: str = "auto", *, padded: bool = False
+) -> str:
     """The SDPA kernel PyTorch picks for this layer (flash / efficient / math), as far as memory is concerned.
 
     CPU: its flash kernel, for any dtype, with or without a mask. CUDA: a padded batch comes with an
@@ -60,21 +72,34 @@ def attention_kernel(shape: ModelShape, recipe_name: str, device: str, attention
     return "math" if shape.num_heads != shape.num_kv_heads else "efficient"
 
 
-def norm_saved(prefix: str, b: int, s: int, h: int, out_bytes: int, consumed_at: str, own_input: bool, *,
-               keeps_output: bool = True) -> list[SavedTensor]:
+def norm_saved(
+    prefix: str,
+    b: int,
+    s: int,
+    h: int,
+    out_bytes: int,
+    consumed_at: str,
+    own_input: bool,
+    *,
+    keeps_output: bool = True,
+) -> list[SavedTensor]:
     """RMSNorm as transformers writes it: x.to(float32) -> x * rsqrt(mean(x²) + eps) -> weight * normed.to(dtype).
 
     pow and mul keep the fp32 input (the input itself when it is fp32, an upcast copy otherwise),
     mul keeps rsqrt, and the weight's mul keeps the normalised x; the output is kept by whoever reads
     it next (not under autocast: there each projection keeps its own 16-bit copy of it).
     """
-    rows = [SavedTensor(f"{prefix}.x_fp32", (b, s, h), FP32_BYTES, consumed_at, own_input),
-            SavedTensor(f"{prefix}.rsqrt", (b, s, 1), FP32_BYTES, consumed_at),
-            SavedTensor(f"{prefix}.normed", (b, s, h), out_bytes, consumed_at)]
+    rows = [
+        SavedTensor(f"{prefix}.x_fp32", (b, s, h), FP32_BYTES, consumed_at, own_input),
+        SavedTensor(f"{prefix}.rsqrt", (b, s, 1), FP32_BYTES, consumed_at),
+        SavedTensor(f"{prefix}.normed", (b, s, h), out_bytes, consumed_at),
+    ]
     return rows + ([SavedTensor(f"{prefix}.out", (b, s, h), out_bytes, consumed_at)] if keeps_output else [])
 
 
-def attention_saved(shape: ModelShape, b: int, s: int, element_bytes: int, kernel: str, padded: bool) -> list[SavedTensor]:
+def attention_saved(
+    shape: ModelShape, b: int, s: int, element_bytes: int, kernel: str, padded: bool
+) -> list[SavedTensor]:
     """What SDPA keeps (and, with a mask, transformers' repeated K and V).
 
     flash / efficient: q, k, v and the output plus one fp32 logsumexp per row (the efficient kernel
@@ -87,32 +112,56 @@ def attention_saved(shape: ModelShape, b: int, s: int, element_bytes: int, kerne
     """
     heads, kv_heads, d, act = shape.num_heads, shape.num_kv_heads, shape.head_dim, element_bytes
     if kernel == "math":
-        return [SavedTensor("self_attn.q_scaled", (b, heads, s, d), act, "attention"),
-                SavedTensor("self_attn.k_scaled_t", (b, heads, d, s), act, "attention"),  # repeated to all heads
-                SavedTensor("self_attn.v_repeated", (b, heads, s, d), act, "mlp"),
-                SavedTensor("self_attn.probs", (b, heads, s, s), act, "attention"),  # the s² term
-                SavedTensor("self_attn.attn_out", (b, s, heads * d), act, "mlp")]  # o_proj's input
+        return [
+            SavedTensor("self_attn.q_scaled", (b, heads, s, d), act, "attention"),
+            SavedTensor("self_attn.k_scaled_t", (b, heads, d, s), act, "attention"),  # repeated to all heads
+            SavedTensor("self_attn.v_repeated", (b, heads, s, d), act, "mlp"),
+            SavedTensor("self_attn.probs", (b, heads, s, s), act, "attention"),  # the s² term
+            SavedTensor("self_attn.attn_out", (b, s, heads * d), act, "mlp"),
+        ]  # o_proj's input
     rows = -(-s // 32) * 32 if kernel == "efficient" else s
     kv_kept = heads if padded else kv_heads  # a mask: transformers' repeat_kv copies K and V to every head
-    out = [SavedTensor("self_attn.q_rope", (b, heads, s, d), act, "attention"),  # q after RoPE, read by SDPA's backward
-           SavedTensor("self_attn.k_repeated" if padded else "self_attn.k_rope", (b, kv_kept, s, d), act, "attention"),
-           SavedTensor("self_attn.v_repeated" if padded else "self_attn.v", (b, kv_kept, s, d), act, "attention")]
+    out = [
+        SavedTensor(
+            "self_attn.q_rope", (b, heads, s, d), act, "attention"
+        ),  # q after RoPE, read by SDPA's backward
+        SavedTensor(
+            "self_attn.k_repeated" if padded else "self_attn.k_rope", (b, kv_kept, s, d), act, "attention"
+        ),
+        SavedTensor(
+            "self_attn.v_repeated" if padded else "self_attn.v", (b, kv_kept, s, d), act, "attention"
+        ),
+    ]
     if padded:
         columns = -(-s // 16) * 16 if kernel == "efficient" else s
-        out.append(SavedTensor("self_attn.mask_bias", (b, 1, s, columns), act, "attention"))  # bool mask -> additive bias
-    return out + [SavedTensor("self_attn.sdpa_out", (b, s, heads * d), act, "attention"),  # also o_proj's input
-                  SavedTensor("self_attn.sdpa_logsumexp", (b, heads, rows), FP32_BYTES, "attention")]  # instead of s×s
+        out.append(
+            SavedTensor("self_attn.mask_bias", (b, 1, s, columns), act, "attention")
+        )  # bool mask -> additive bias
+    return out + [
+        SavedTensor("self_attn.sdpa_out", (b, s, heads * d), act, "attention"),  # also o_proj's input
+        SavedTensor("self_attn.sdpa_logsumexp", (b, heads, rows), FP32_BYTES, "attention"),
+    ]  # instead of s×s
 
 
 def _autocast_copies(shape: ModelShape, b: int, s: int, act: int) -> list[SavedTensor]:
     """torch.autocast: each projection keeps a 16-bit copy of its fp32 input and of its weight (the
     weight copy is cast once per forward and cached); q and k after the fp32 RoPE are cast for SDPA."""
-    h, inner, q, kv = shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, inner, q, kv = (
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+    )
     rows = []
-    for name, n_out, n_in, moment, casts_input in [("q_proj", q, h, "input_layernorm", True), ("k_proj", kv, h, "input_layernorm", True),
-                                                   ("v_proj", kv, h, "input_layernorm", True), ("o_proj", h, q, "attention", False),
-                                                   ("gate_proj", inner, h, "mlp", True), ("up_proj", inner, h, "mlp", True),
-                                                   ("down_proj", h, inner, "down_proj", False)]:
+    for name, n_out, n_in, moment, casts_input in [
+        ("q_proj", q, h, "input_layernorm", True),
+        ("k_proj", kv, h, "input_layernorm", True),
+        ("v_proj", kv, h, "input_layernorm", True),
+        ("o_proj", h, q, "attention", False),
+        ("gate_proj", inner, h, "mlp", True),
+        ("up_proj", inner, h, "mlp", True),
+        ("down_proj", h, inner, "down_proj", False),
+    ]:
         module = ("self_attn." if name[0] in "qkvo" else "mlp.") + name
         rows.append(SavedTensor(f"{module}.weight_16bit", (n_out, n_in), act, moment))
         if casts_input:  # o_proj and down_proj read a 16-bit tensor already
@@ -120,8 +169,16 @@ def _autocast_copies(shape: ModelShape, b: int, s: int, act: int) -> list[SavedT
     return rows
 
 
-def layer_saved(shape: ModelShape, batch: int, seq: int, recipe_name: str = "fp32", kernel: str = "auto", *,
-                device: str = "cpu", padded: bool = False) -> list[SavedTensor]:
+def layer_saved(
+    shape: ModelShape,
+    batch: int,
+    seq: int,
+    recipe_name: str = "fp32",
+    kernel: str = "auto",
+    *,
+    device: str = "cpu",
+    padded: bool = False,
+) -> list[SavedTensor]:
     """The tensors autograd keeps for one decoder layer's backward (transformers Qwen2/Llama, SDPA attention).
 
     kernel "auto": the one `attention_kernel` picks for this device, recipe and mask. In fp32 the
@@ -132,23 +189,36 @@ def layer_saved(shape: ModelShape, batch: int, seq: int, recipe_name: str = "fp3
     dtypes = recipe(recipe_name)
     kernel = attention_kernel(shape, recipe_name, device, kernel, padded=padded)
     if dtypes.autocast and kernel == "math":
-        raise TrainmechError("the ledger does not model SDPA's math kernel under autocast (it runs flash or efficient there)")
+        raise TrainmechError(
+            "the ledger does not model SDPA's math kernel under autocast (it runs flash or efficient there)"
+        )
     b, s, h, inner, act = batch, seq, shape.hidden_size, shape.intermediate_size, dtypes.activation_bytes
     if dtypes.autocast:  # the residual stream and the norms stay fp32; matmuls read 16-bit copies
         attention = attention_saved(shape, b, s, act, kernel, padded)
         copies = _autocast_copies(shape, b, s, act)
-        return [*norm_saved("input_layernorm", b, s, h, FP32_BYTES, "input_layernorm", own_input=False, keeps_output=False),
-                *[c for c in copies if c.consumed_at == "input_layernorm"],
-                *attention, *[c for c in copies if c.name.startswith("self_attn.o_proj")],
-                *norm_saved("post_attention_layernorm", b, s, h, FP32_BYTES, "mlp", own_input=True, keeps_output=False),
-                *[c for c in copies if c.consumed_at in ("mlp", "down_proj")],
-                SavedTensor("mlp.gate", (b, s, inner), act, "mlp"), SavedTensor("mlp.up", (b, s, inner), act, "mlp"),
-                SavedTensor("mlp.act", (b, s, inner), act, "mlp"), SavedTensor("mlp.act_up", (b, s, inner), act, "down_proj")]
+        return [
+            *norm_saved(
+                "input_layernorm", b, s, h, FP32_BYTES, "input_layernorm", own_input=False, keeps_output=False
+            ),
+            *[c for c in copies if c.consumed_at == "input_layernorm"],
+            *attention,
+            *[c for c in copies if c.name.startswith("self_attn.o_proj")],
+            *norm_saved(
+                "post_attention_layernorm", b, s, h, FP32_BYTES, "mlp", own_input=True, keeps_output=False
+            ),
+            *[c for c in copies if c.consumed_at in ("mlp", "down_proj")],
+            SavedTensor("mlp.gate", (b, s, inner), act, "mlp"),
+            SavedTensor("mlp.up", (b, s, inner), act, "mlp"),
+            SavedTensor("mlp.act", (b, s, inner), act, "mlp"),
+            SavedTensor("mlp.act_up", (b, s, inner), act, "down_proj"),
+        ]
     sixteen = dtypes.sixteen_bit
     return [
         *norm_saved("input_layernorm", b, s, h, act, "input_layernorm", own_input=sixteen),
         *attention_saved(shape, b, s, act, kernel, padded),
-        *norm_saved("post_attention_layernorm", b, s, h, act, "mlp", own_input=True),  # fp32: the residual x + attn
+        *norm_saved(
+            "post_attention_layernorm", b, s, h, act, "mlp", own_input=True
+        ),  # fp32: the residual x + attn
         SavedTensor("mlp.gate", (b, s, inner), act, "mlp"),  # silu's input
         SavedTensor("mlp.up", (b, s, inner), act, "mlp"),
         SavedTensor("mlp.act", (b, s, inner), act, "mlp"),  # silu(gate)

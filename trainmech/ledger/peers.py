@@ -15,6 +15,8 @@ from trainmech.ledger.compare import CPU_POINTS, CUDA_POINTS, Comparison, measur
 from trainmech.ledger.formulas import deepspeed_zero2_gpu_bytes, deepspeed_zero3_gpu_bytes
 from trainmech.ledger.shape import ModelShape, model_shape
 
+__all__ = ["TOOLS", "accelerate_estimate", "deepspeed_estimates", "BenchmarkRow", "benchmark"]
+
 TOOLS = ("ledger", "accelerate", "deepspeed-zero2", "deepspeed-zero3")
 
 
@@ -45,8 +47,10 @@ def deepspeed_estimates(shape: ModelShape) -> dict[str, int]:
     for name, numel in shape.parameter_tensors():
         by_module[name.rpartition(".")[0]] = by_module.get(name.rpartition(".")[0], 0) + numel
     largest = max(by_module.values())
-    return {"deepspeed-zero2": deepspeed_zero2_gpu_bytes(shape.n_params),
-            "deepspeed-zero3": deepspeed_zero3_gpu_bytes(shape.n_params, largest)}
+    return {
+        "deepspeed-zero2": deepspeed_zero2_gpu_bytes(shape.n_params),
+        "deepspeed-zero3": deepspeed_zero3_gpu_bytes(shape.n_params, largest),
+    }
 
 
 @dataclass
@@ -58,14 +62,19 @@ class BenchmarkRow:
         return self.estimates[tool] / self.comparison.measured_peak - 1
 
 
-def benchmark(points: dict[str, list[tuple[int, int]]] | None = None, *, run_mode: str = "cpu", out=print) -> list[BenchmarkRow]:
+def benchmark(
+    points: dict[str, list[tuple[int, int]]] | None = None, *, run_mode: str = "cpu", out=print
+) -> list[BenchmarkRow]:
     """Every point measured in this one run (first and steady AdamW update), each tool's error beside the ledger's."""
     from trainmech import profiles, workload
 
     points = points or (CUDA_POINTS if run_mode != "cpu" else CPU_POINTS)
     profile = profiles.for_mode(run_mode)
-    out(f"{'model':<14}{'batch':>6}{'seq':>6}  {'update':<7}{'measured':>14}" + "".join(f"{t:>17}" for t in TOOLS)
-        + "  peak phase (ledger / measured)")
+    out(
+        f"{'model':<14}{'batch':>6}{'seq':>6}  {'update':<7}{'measured':>14}"
+        + "".join(f"{t:>17}" for t in TOOLS)
+        + "  peak phase (ledger / measured)"
+    )
     rows = []
     for model, shapes in points.items():
         config = workload.qwen2_config(profile.model(model))
@@ -74,9 +83,13 @@ def benchmark(points: dict[str, list[tuple[int, int]]] | None = None, *, run_mod
             for c in measure_point(model, batch, seq, run_mode=run_mode):
                 row = BenchmarkRow(c, {"ledger": c.predicted_peak, **peers})
                 rows.append(row)
-                out(f"{model:<14}{batch:>6}{seq:>6}  {c.step:<7}{c.measured_peak:>14,}"
+                out(
+                    f"{model:<14}{batch:>6}{seq:>6}  {c.step:<7}{c.measured_peak:>14,}"
                     + "".join(f"{row.error(t):>+17.1%}" for t in TOOLS)
-                    + f"  {c.predicted.peak_overlap().phase} / {c.measured.peak_phase}")
-    out(f"{len(rows)} points; worst |error| per tool: "
-        + ", ".join(f"{t} {max(abs(r.error(t)) for r in rows):.1%}" for t in TOOLS))
+                    + f"  {c.predicted.peak_overlap().phase} / {c.measured.peak_phase}"
+                )
+    out(
+        f"{len(rows)} points; worst |error| per tool: "
+        + ", ".join(f"{t} {max(abs(r.error(t)) for r in rows):.1%}" for t in TOOLS)
+    )
     return rows

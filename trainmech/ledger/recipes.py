@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from trainmech.errors import TrainmechError
 
+__all__ = ["FP32_BYTES", "INDEX_BYTES", "Recipe", "RECIPES", "recipe"]
+
 FP32_BYTES = 4  # tensors that stay fp32 whatever the recipe: norm statistics, the loss, its log-softmax
 INDEX_BYTES = 8  # int64: position ids, labels
 

@@ -26,16 +26,37 @@ from trainmech.ledger.book import Ledger, Peak, training_state_lifecycle
 from trainmech.ledger.recipes import recipe
 from trainmech.ledger.shape import model_shape
 
-__all__ = ["STRATEGIES", "UPDATES", "OPTIMIZER_STEPS", "VARIANTS", "Scenario", "offload_min_bytes", "scenario_ledger",
-           "scenario_matrix", "change", "drops", "worst_peak_error", "bytes_per_row", "render_matrix", "render_rows",
-           "window_peak", "variants", "render_measured"]
+__all__ = [
+    "STRATEGIES",
+    "UPDATES",
+    "OPTIMIZER_STEPS",
+    "VARIANTS",
+    "Scenario",
+    "offload_min_bytes",
+    "scenario_ledger",
+    "scenario_matrix",
+    "change",
+    "drops",
+    "worst_peak_error",
+    "bytes_per_row",
+    "render_matrix",
+    "render_rows",
+    "window_peak",
+    "variants",
+    "render_measured",
+]
 
 STRATEGIES = ("baseline", "checkpoint", "offload")
 UPDATES = ("first", "steady")
 # how the optimizer steps, as options of training_state_lifecycle ("default": the device's own choice); which
 # optimizer steps (adamw, sgd, …) is training_state_lifecycle's `optimizer`
-OPTIMIZER_STEPS = {"default": {}, "foreach": {"optimizer_impl": "foreach"}, "for-loop": {"optimizer_impl": "loop"},
-                   "fused": {"optimizer_impl": "fused"}, "in-backward": {"optimizer_in_backward": True}}
+OPTIMIZER_STEPS = {
+    "default": {},
+    "foreach": {"optimizer_impl": "foreach"},
+    "for-loop": {"optimizer_impl": "loop"},
+    "fused": {"optimizer_impl": "fused"},
+    "in-backward": {"optimizer_in_backward": True},
+}
 
 
 @dataclass(frozen=True)
@@ -63,19 +84,39 @@ def offload_min_bytes(shape, batch: int, seq: int, dtype: str) -> int:
     return batch * seq * shape.hidden_size * recipe(dtype).activation_bytes // 4
 
 
-def scenario_ledger(config, batch: int, seq: int, *, strategy: str, update: str, optimizer_step: str = "default",
-                    min_bytes: int | None = None, prefetch_groups: int = 2, exempt_last: int = 1, **options) -> Ledger:
+def scenario_ledger(
+    config,
+    batch: int,
+    seq: int,
+    *,
+    strategy: str,
+    update: str,
+    optimizer_step: str = "default",
+    min_bytes: int | None = None,
+    prefetch_groups: int = 2,
+    exempt_last: int = 1,
+    **options,
+) -> Ledger:
     """The ledger of one scenario; options go to `training_state_lifecycle` (dtype, device, attention, …).
     min_bytes (offload): default `offload_min_bytes`."""
     if strategy not in STRATEGIES or update not in UPDATES:
-        raise TrainmechError(f"strategy must be one of {', '.join(STRATEGIES)} and update one of {', '.join(UPDATES)}, "
-                             f"got {strategy!r}, {update!r}")
+        raise TrainmechError(
+            f"strategy must be one of {', '.join(STRATEGIES)} and update one of {', '.join(UPDATES)}, "
+            f"got {strategy!r}, {update!r}"
+        )
     if optimizer_step not in OPTIMIZER_STEPS:
-        raise TrainmechError(f"unknown optimizer step {optimizer_step!r}; valid: {', '.join(OPTIMIZER_STEPS)}")
+        raise TrainmechError(
+            f"unknown optimizer step {optimizer_step!r}; valid: {', '.join(OPTIMIZER_STEPS)}"
+        )
     shape = model_shape(config)
-    book = training_state_lifecycle(shape, batch, seq, first_step=update == "first",
-                                    checkpointing="full" if strategy == "checkpoint" else "none",
-                                    **{**options, **OPTIMIZER_STEPS[optimizer_step]})
+    book = training_state_lifecycle(
+        shape,
+        batch,
+        seq,
+        first_step=update == "first",
+        checkpointing="full" if strategy == "checkpoint" else "none",
+        **{**options, **OPTIMIZER_STEPS[optimizer_step]},
+    )
     if strategy == "offload":
         if min_bytes is None:
             min_bytes = offload_min_bytes(shape, batch, seq, options.get("dtype", "fp32"))
@@ -83,13 +124,31 @@ def scenario_ledger(config, batch: int, seq: int, *, strategy: str, update: str,
     return book
 
 
-def scenario_matrix(config, batch: int, seq: int, *, strategies=STRATEGIES, updates=UPDATES, optimizer_steps=("default",),
-                    **options) -> list[Scenario]:
+def scenario_matrix(
+    config,
+    batch: int,
+    seq: int,
+    *,
+    strategies=STRATEGIES,
+    updates=UPDATES,
+    optimizer_steps=("default",),
+    **options,
+) -> list[Scenario]:
     """Every (optimizer step, update, strategy) scenario, in that nesting; options as `scenario_ledger`."""
     shape = model_shape(config)
-    return [Scenario(strategy, update, step, scenario_ledger(shape, batch, seq, strategy=strategy, update=update,
-                                                             optimizer_step=step, **options))
-            for step in optimizer_steps for update in updates for strategy in strategies]
+    return [
+        Scenario(
+            strategy,
+            update,
+            step,
+            scenario_ledger(
+                shape, batch, seq, strategy=strategy, update=update, optimizer_step=step, **options
+            ),
+        )
+        for step in optimizer_steps
+        for update in updates
+        for strategy in strategies
+    ]
 
 
 def _peak_bytes(row: Scenario, which: str) -> int:
@@ -102,31 +161,44 @@ def _ratio(rows: list[Scenario], strategy: str, update: str, which: str, optimiz
     return pick[(strategy, update, optimizer_step)] / pick[("baseline", update, optimizer_step)]
 
 
-def change(rows: list[Scenario], strategy: str, update: str, which: str = "whole", optimizer_step: str = "default") -> float:
+def change(
+    rows: list[Scenario], strategy: str, update: str, which: str = "whole", optimizer_step: str = "default"
+) -> float:
     """(strategy − baseline) / baseline of one peak (`whole` or `forward_backward`) in the same update and optimizer step."""
     return _ratio(rows, strategy, update, which, optimizer_step) - 1
 
 
 def drops(rows: list[Scenario], strategy: str) -> dict[tuple[str, str, str], float]:
     """(update, optimizer step, "fwd+bwd" | "update") -> 1 - the strategy's peak / the baseline's in the same scenario."""
-    return {(r.update, r.optimizer_step, kind): 1 - _ratio(rows, strategy, r.update, which, r.optimizer_step)
-            for r in rows if r.strategy == strategy
-            for kind, which in (("fwd+bwd", "forward_backward"), ("update", "whole"))}
+    return {
+        (r.update, r.optimizer_step, kind): 1 - _ratio(rows, strategy, r.update, which, r.optimizer_step)
+        for r in rows
+        if r.strategy == strategy
+        for kind, which in (("fwd+bwd", "forward_backward"), ("update", "whole"))
+    }
 
 
 def worst_peak_error(rows: list[Scenario], measured_rows: dict) -> float:
     """The largest |predicted / measured - 1| over both peaks of every row
     (measured_rows: (strategy, update, optimizer step) -> (fwd+bwd, whole))."""
-    return max(abs(pred / got - 1) for r in rows
-               for pred, got in zip((r.forward_backward.bytes, r.whole.bytes), measured_rows[(r.strategy, r.update, r.optimizer_step)]))
+    return max(
+        abs(pred / got - 1)
+        for r in rows
+        for pred, got in zip(
+            (r.forward_backward.bytes, r.whole.bytes), measured_rows[(r.strategy, r.update, r.optimizer_step)]
+        )
+    )
 
 
-END_OF_FORWARD = "forward.head:lm_head"  # the tick the logits exist: what a micro-batch keeps alive by then grows with it
+END_OF_FORWARD = (
+    "forward.head:lm_head"  # the tick the logits exist: what a micro-batch keeps alive by then grows with it
+)
 
 
 def bytes_per_row(config, rows: int, seq: int, *, strategy: str, **options) -> int:
     """The ledger's capacity slope: what one more sequence adds to the bytes alive at the end of a micro-batch's
     forward, (alive with 2·rows - with rows) / rows, on a steady update; options as `scenario_ledger`."""
+
     def alive(b):
         book = scenario_ledger(config, b, seq, strategy=strategy, update="steady", **options)
         return sum(dict(book.live())[END_OF_FORWARD].values())
@@ -137,24 +209,36 @@ def bytes_per_row(config, rows: int, seq: int, *, strategy: str, **options) -> i
 def render_matrix(rows: list[Scenario], unit: float = 2**30, unit_name: str = "GiB") -> str:
     """One line per strategy (and optimizer step, when there are several): first-update and steady peaks,
     forward+backward and whole, with their change against the baseline and the whole-update peak's tick."""
-    head = (f"{'strategy':<11}{'first: fwd+bwd':>16}{'whole update':>24}{'steady: fwd+bwd':>17}{'whole update':>24}   "
-            "whole-update peak tick (first / steady)")
+    head = (
+        f"{'strategy':<11}{'first: fwd+bwd':>16}{'whole update':>24}{'steady: fwd+bwd':>17}{'whole update':>24}   "
+        "whole-update peak tick (first / steady)"
+    )
     several = len({r.optimizer_step for r in rows}) > 1
     lines = [head]
     for strategy, step in dict.fromkeys((r.strategy, r.optimizer_step) for r in rows):
         cells, ticks = [], []
         for update in UPDATES:
             r = next(x for x in rows if (x.strategy, x.update, x.optimizer_step) == (strategy, update, step))
-            changes = ["" if strategy == "baseline" else f"{change(rows, strategy, update, which, step):+.1%}"
-                       for which in ("forward_backward", "whole")]
-            cells += [f"{r.forward_backward.bytes / unit:>9.2f}{changes[0]:>7}", f"{r.whole.bytes / unit:>17.2f}{changes[1]:>7}"]
+            changes = [
+                "" if strategy == "baseline" else f"{change(rows, strategy, update, which, step):+.1%}"
+                for which in ("forward_backward", "whole")
+            ]
+            cells += [
+                f"{r.forward_backward.bytes / unit:>9.2f}{changes[0]:>7}",
+                f"{r.whole.bytes / unit:>17.2f}{changes[1]:>7}",
+            ]
             ticks.append(r.whole.tick)
         label = f"{strategy} ({step})" if several else strategy
         lines.append(f"{label:<11}" + "".join(cells) + f"   {ticks[0]} / {ticks[1]}")
-    return "\n".join(lines) + f"\n(peaks in {unit_name}; the changes are against the baseline of the same column)"
+    return (
+        "\n".join(lines)
+        + f"\n(peaks in {unit_name}; the changes are against the baseline of the same column)"
+    )
 
 
-def render_rows(rows: list[Scenario], *, unit: int = 2**30, unit_name: str = "GiB", measured_rows: dict | None = None) -> str:
+def render_rows(
+    rows: list[Scenario], *, unit: int = 2**30, unit_name: str = "GiB", measured_rows: dict | None = None
+) -> str:
     """One line per scenario, each peak with its change against the baseline of the same update and optimizer step;
     `measured_rows` ((strategy, update, optimizer step) -> (fwd+bwd, whole)) adds the measured columns."""
     base = {(r.update, r.optimizer_step): r for r in rows if r.strategy == "baseline"}
@@ -165,7 +249,10 @@ def render_rows(rows: list[Scenario], *, unit: int = 2**30, unit_name: str = "Gi
         cells = []
         for which in ("forward_backward", "whole"):
             value = _peak_bytes(r, which)
-            cells.append(f"{value / unit:>12.2f} {unit_name}" + (f"{value / _peak_bytes(b, which) - 1:>+8.1%}" if b else f"{'':>8}"))
+            cells.append(
+                f"{value / unit:>12.2f} {unit_name}"
+                + (f"{value / _peak_bytes(b, which) - 1:>+8.1%}" if b else f"{'':>8}")
+            )
         line = f"{r.strategy:<11}{r.update:<8}{r.optimizer_step:<13}{cells[0]}{cells[1]}  {r.whole.phase}"
         if measured_rows is not None:
             fb, whole = measured_rows[(r.strategy, r.update, r.optimizer_step)]
@@ -177,8 +264,10 @@ def render_rows(rows: list[Scenario], *, unit: int = 2**30, unit_name: str = "Gi
 def window_peak(config, batch: int, seq: int, micro_batches: int, **options) -> Peak:
     """The peak over a whole accumulation window: its first micro-batch (no .grad yet) or its last (.grad
     alive from the start, then the update); the micro-batches between are never above the last."""
-    books = [training_state_lifecycle(config, batch, seq, micro_batches=micro_batches, micro_batch=k, **options)
-             for k in sorted({1, micro_batches})]
+    books = [
+        training_state_lifecycle(config, batch, seq, micro_batches=micro_batches, micro_batch=k, **options)
+        for k in sorted({1, micro_batches})
+    ]
     return max((b.peak_overlap() for b in books), key=lambda p: p.bytes)
 
 
@@ -195,23 +284,30 @@ VARIANTS = {
 def variants(config, batch: int, seq: int, *, micro_batches: int = 2, **options) -> dict[str, Peak]:
     """The steady whole-update peak under each update option, and under `micro_batches` micro-batches of
     batch / micro_batches sequences (the same effective batch, accumulated)."""
-    out = {name: training_state_lifecycle(config, batch, seq, **{**options, **option}).peak_overlap()
-           for name, option in VARIANTS.items()}
+    out = {
+        name: training_state_lifecycle(config, batch, seq, **{**options, **option}).peak_overlap()
+        for name, option in VARIANTS.items()
+    }
     if micro_batches > 1 and batch % micro_batches == 0:
         out[f"{micro_batches} micro-batches of {batch // micro_batches}"] = window_peak(
-            config, batch // micro_batches, seq, micro_batches, **options)
+            config, batch // micro_batches, seq, micro_batches, **options
+        )
     return out
 
 
 def render_measured(points: dict[str, tuple]) -> tuple[str, float]:
     """strategy -> (first, steady) Comparisons: the four peaks predicted and measured (tracked tensor bytes,
     on any device). Returns the table and the worst relative error among them."""
-    lines = [f"{'strategy':<11}{'update':<8}{'fwd+bwd: ledger':>16}{'measured':>12}{'whole: ledger':>15}{'measured':>12}  whole-update peak phase"]
+    lines = [
+        f"{'strategy':<11}{'update':<8}{'fwd+bwd: ledger':>16}{'measured':>12}{'whole: ledger':>15}{'measured':>12}  whole-update peak phase"
+    ]
     worst = 0.0
     for strategy, pair in points.items():
         for c in pair:
             fb_pred, fb_meas = c.predicted.forward_backward_peak().bytes, c.measured_forward_backward_peak
             worst = max(worst, abs(fb_pred - fb_meas) / fb_meas, abs(c.tracked_error))
-            lines.append(f"{strategy:<11}{c.step:<8}{fb_pred:>16,}{fb_meas:>12,}{c.predicted_peak:>15,}{c.tracked_peak:>12,}  "
-                         f"{c.predicted.peak_overlap().phase} / {c.measured.peak_phase}")
+            lines.append(
+                f"{strategy:<11}{c.step:<8}{fb_pred:>16,}{fb_meas:>12,}{c.predicted_peak:>15,}{c.tracked_peak:>12,}  "
+                f"{c.predicted.peak_overlap().phase} / {c.measured.peak_phase}"
+            )
     return "\n".join(lines), worst

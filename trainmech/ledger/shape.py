@@ -20,6 +20,18 @@ from typing import Any
 
 from trainmech.errors import TrainmechError
 
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "MAX_LAYERS",
+    "MAX_CONFIG_BYTES",
+    "SIZES",
+    "OPTIONAL_SIZES",
+    "FLAGS",
+    "ModelShape",
+    "load_config",
+    "model_shape",
+]
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 MAX_LAYERS = 10_000  # the deepest published decoders have a few hundred layers
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB
@@ -55,15 +67,25 @@ class ModelShape:
         hidden, inner = self.hidden_size, self.intermediate_size
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         out = [("model.embed_tokens.weight", self.vocab_size * hidden)]
-        linears = [("self_attn.q_proj", q_width, hidden, self.qkv_bias), ("self_attn.k_proj", kv_width, hidden, self.qkv_bias),
-                   ("self_attn.v_proj", kv_width, hidden, self.qkv_bias), ("self_attn.o_proj", hidden, q_width, self.o_bias),
-                   ("mlp.gate_proj", inner, hidden, self.mlp_bias), ("mlp.up_proj", inner, hidden, self.mlp_bias),
-                   ("mlp.down_proj", hidden, inner, self.mlp_bias)]
+        linears = [
+            ("self_attn.q_proj", q_width, hidden, self.qkv_bias),
+            ("self_attn.k_proj", kv_width, hidden, self.qkv_bias),
+            ("self_attn.v_proj", kv_width, hidden, self.qkv_bias),
+            ("self_attn.o_proj", hidden, q_width, self.o_bias),
+            ("mlp.gate_proj", inner, hidden, self.mlp_bias),
+            ("mlp.up_proj", inner, hidden, self.mlp_bias),
+            ("mlp.down_proj", hidden, inner, self.mlp_bias),
+        ]
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}."
             for name, n_out, n_in, bias in linears:
-                out += [(prefix + name + ".weight", n_out * n_in)] + ([(prefix + name + ".bias", n_out)] if bias else [])
-            out += [(prefix + "input_layernorm.weight", hidden), (prefix + "post_attention_layernorm.weight", hidden)]
+                out += [(prefix + name + ".weight", n_out * n_in)] + (
+                    [(prefix + name + ".bias", n_out)] if bias else []
+                )
+            out += [
+                (prefix + "input_layernorm.weight", hidden),
+                (prefix + "post_attention_layernorm.weight", hidden),
+            ]
         out += [("model.norm.weight", hidden)]
         if not self.tie_word_embeddings:
             out += [("lm_head.weight", self.vocab_size * hidden)]
@@ -81,7 +103,9 @@ class ModelShape:
     @property
     def matmul_weight_params(self) -> int:
         """Elements of every weight a matmul reads: the seven projections of each layer and the head."""
-        per_layer = sum(n for name, n in self._tensors if name.startswith("model.layers.0.") and "proj.weight" in name)
+        per_layer = sum(
+            n for name, n in self._tensors if name.startswith("model.layers.0.") and "proj.weight" in name
+        )
         return self.num_layers * per_layer + self.vocab_size * self.hidden_size
 
 
@@ -105,7 +129,9 @@ def _read_config_file(path: Path) -> Any:
     except UnicodeDecodeError as e:
         raise TrainmechError(f"config file {path} is not UTF-8 text (bad byte at offset {e.start})") from None
     except (ValueError, RecursionError) as e:
-        raise TrainmechError(f"config file {path} is not readable JSON ({' '.join(str(e).split())[:80]})") from None
+        raise TrainmechError(
+            f"config file {path} is not readable JSON ({' '.join(str(e).split())[:80]})"
+        ) from None
 
 
 def load_config(source: Any) -> tuple[str, dict]:
@@ -130,7 +156,9 @@ def load_config(source: Any) -> tuple[str, dict]:
     names = sorted({m for pid in profiles.available() for m in profiles.load(pid).models})
     if path.suffix == ".json" or "/" in text or "\\" in text:
         raise TrainmechError(f"config file {path} does not exist")
-    raise TrainmechError(f"{text!r} is neither a config.json file nor a profile model name ({', '.join(names)})")
+    raise TrainmechError(
+        f"{text!r} is neither a config.json file nor a profile model name ({', '.join(names)})"
+    )
 
 
 def _positive_int(value: Any) -> bool:
@@ -145,7 +173,9 @@ def _with_transformers_defaults(name: str, model_type: str, cfg: dict) -> Any:
     try:
         return AutoConfig.for_model(model_type, **known)
     except Exception as e:  # noqa: BLE001  transformers' own validation: one line, not its traceback
-        raise TrainmechError(f"{name}: transformers refuses this {model_type} config ({' '.join(str(e).split())[:100]})") from None
+        raise TrainmechError(
+            f"{name}: transformers refuses this {model_type} config ({' '.join(str(e).split())[:100]})"
+        ) from None
 
 
 def model_shape(source: Any) -> ModelShape:
@@ -159,12 +189,15 @@ def model_shape(source: Any) -> ModelShape:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise TrainmechError(f"{name}: architectures must be a list of names, got {archs!r:.60}")
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        raise TrainmechError(f"{name} describes {', '.join(archs)}, not a causal LM (no *ForCausalLM architecture)")
+        raise TrainmechError(
+            f"{name} describes {', '.join(archs)}, not a causal LM (no *ForCausalLM architecture)"
+        )
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TrainmechError(
             f"{name} has model_type {model_type!r:.40}; the ledger knows the decoder layout of "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (RMSNorm, rotary attention, SwiGLU MLP)")
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (RMSNorm, rotary attention, SwiGLU MLP)"
+        )
     wrong = [k for k in SIZES if k in cfg and not _positive_int(cfg[k])]
     if wrong:
         raise TrainmechError(f"{name} lacks a positive integer for {', '.join(wrong)}")
@@ -175,27 +208,44 @@ def model_shape(source: Any) -> ModelShape:
     if flags:
         raise TrainmechError(f"{name}: {', '.join(flags)} must be true or false")
     if cfg.get("num_hidden_layers", 0) > MAX_LAYERS:
-        raise TrainmechError(f"{name}: num_hidden_layers {cfg['num_hidden_layers']:,} is more than the {MAX_LAYERS:,} the ledger counts")
+        raise TrainmechError(
+            f"{name}: num_hidden_layers {cfg['num_hidden_layers']:,} is more than the {MAX_LAYERS:,} the ledger counts"
+        )
     if cfg.get("hidden_act", "silu") != "silu":
-        raise TrainmechError(f"{name} has hidden_act {cfg['hidden_act']!r:.40}; the ledger's MLP is SwiGLU (silu)")
+        raise TrainmechError(
+            f"{name} has hidden_act {cfg['hidden_act']!r:.40}; the ledger's MLP is SwiGLU (silu)"
+        )
     heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
     kv_given = cfg.get("num_key_value_heads")
     if heads and kv_given and heads % kv_given:
-        raise TrainmechError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_given}")
+        raise TrainmechError(
+            f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_given}"
+        )
     if heads and hidden and cfg.get("head_dim") is None and hidden % heads:
-        raise TrainmechError(f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and no head_dim is given)")
+        raise TrainmechError(
+            f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and no head_dim is given)"
+        )
     full = _with_transformers_defaults(name, model_type, cfg)
     heads, hidden = full.num_attention_heads, full.hidden_size
     kv_heads = full.num_key_value_heads or heads
     if heads % kv_heads:  # a default that does not fit the given heads (Qwen2 defaults to 32 KV heads)
-        raise TrainmechError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} "
-                             f"({'the ' + model_type + ' default' if kv_given is None else 'given'})")
+        raise TrainmechError(
+            f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} "
+            f"({'the ' + model_type + ' default' if kv_given is None else 'given'})"
+        )
     attention_bias = bool(getattr(full, "attention_bias", False))
     return ModelShape(
-        name=name, model_type=model_type, vocab_size=full.vocab_size, hidden_size=hidden,
-        intermediate_size=full.intermediate_size, num_layers=full.num_hidden_layers, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=getattr(full, "head_dim", None) or hidden // heads,
+        name=name,
+        model_type=model_type,
+        vocab_size=full.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=full.intermediate_size,
+        num_layers=full.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=getattr(full, "head_dim", None) or hidden // heads,
         tie_word_embeddings=bool(full.tie_word_embeddings),
-        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=model_type != "qwen2" and attention_bias,
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=model_type != "qwen2" and attention_bias,
         mlp_bias=bool(getattr(full, "mlp_bias", False)),
     )

@@ -20,8 +20,27 @@ from trainmech.ledger.categories import CATEGORIES
 from trainmech.ledger.clock import AFTER, BEFORE, State
 from trainmech.ledger.formulas import _check_stage
 
-ZERO_SPLIT = {0: (), 1: ("optimizer_states",), 2: ("optimizer_states", "gradients"),
-              3: ("optimizer_states", "gradients", "parameters")}
+__all__ = [
+    "ZERO_SPLIT",
+    "LOSS_BUFFERS",
+    "DevicePeak",
+    "loss_buffers_by_tick",
+    "per_device",
+    "ParamShard",
+    "zero_partition",
+    "STAGE_ENGINES",
+    "per_rank",
+    "communication",
+    "zero_volume",
+    "held_per_rank",
+]
+
+ZERO_SPLIT = {
+    0: (),
+    1: ("optimizer_states",),
+    2: ("optimizer_states", "gradients"),
+    3: ("optimizer_states", "gradients", "parameters"),
+}
 LOSS_BUFFERS = ("logits", "logits_fp32", "loss.log_softmax", "loss.nll_grad", "dlogits_fp32", "dlogits")
 
 
@@ -59,7 +78,10 @@ def per_device(book, devices: int, stage: int) -> DevicePeak:
     loss = loss_buffers_by_tick(book)
     best = None
     for k, (tick, row) in enumerate(book.live()):
-        shares = {c: row[c] / devices if c in split or (c == "workspace" and stage >= 1) else float(row[c]) for c in CATEGORIES}
+        shares = {
+            c: row[c] / devices if c in split or (c == "workspace" and stage >= 1) else float(row[c])
+            for c in CATEGORIES
+        }
         total = sum(shares.values())
         if best is None or total > best.bytes:
             best = DevicePeak(devices, stage, tick, total, shares, loss[k])
@@ -109,8 +131,21 @@ class ParamShard:
 def _shards(shape) -> list[ParamShard]:
     """Every parameter tensor with its rows: a weight (out, in) has out rows; a bias or norm weight its length."""
     out = []
-    h, q, kv, inner = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": inner, "up_proj": inner, "down_proj": h}
+    h, q, kv, inner = (
+        shape.hidden_size,
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+        shape.intermediate_size,
+    )
+    rows = {
+        "q_proj": q,
+        "k_proj": kv,
+        "v_proj": kv,
+        "o_proj": h,
+        "gate_proj": inner,
+        "up_proj": inner,
+        "down_proj": h,
+    }
     for name, numel in shape.parameter_tensors():
         module = name.rsplit(".", 2)[-2]
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -145,7 +180,12 @@ def _groups(shape) -> dict[str, list[str]]:
     return groups
 
 
-STAGE_ENGINES = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 reshard_after_forward=False", 3: "FSDP2 per layer"}
+STAGE_ENGINES = {
+    0: "DDP",
+    1: "DDP + ZeroRedundancyOptimizer",
+    2: "FSDP2 reshard_after_forward=False",
+    3: "FSDP2 per layer",
+}
 
 
 def per_rank(config, batch: int, seq: int, stage: int, world_size: int, rank: int = 0):
@@ -161,16 +201,37 @@ def per_rank(config, batch: int, seq: int, stage: int, world_size: int, rank: in
         raise TrainmechError(f"the batch of {batch} does not split evenly over {world_size} ranks")
     b = batch // world_size
     if stage in (0, 1):
-        book = training_state_lifecycle(config, b, seq, first_step=True, optimizer_impl="loop", gradient_buffers=True)
+        book = training_state_lifecycle(
+            config, b, seq, first_step=True, optimizer_impl="loop", gradient_buffers=True
+        )
         if stage == 0:
             return book
         shards = _shards(book.shape)
         mine = [shards[k].numel for k in zero_partition([s.numel for s in shards], world_size)[rank]]
         states = [st for st in book.states if not st.name.startswith("optimizer.")]
-        states += [State("optimizer.adamw_states (own share)", "optimizer_states", 8 * sum(mine) + 4 * len(mine), "optimizer", AFTER),
-                   State("optimizer.sqrt_temporaries (own share)", "workspace", _loop_temporary(mine), "optimizer", "optimizer")]
+        states += [
+            State(
+                "optimizer.adamw_states (own share)",
+                "optimizer_states",
+                8 * sum(mine) + 4 * len(mine),
+                "optimizer",
+                AFTER,
+            ),
+            State(
+                "optimizer.sqrt_temporaries (own share)",
+                "workspace",
+                _loop_temporary(mine),
+                "optimizer",
+                "optimizer",
+            ),
+        ]
         return dataclasses.replace(book, states=tuple(states))
-    return _fsdp_rank(training_state_lifecycle(config, b, seq, first_step=True, optimizer_impl="loop"), stage, world_size, rank)
+    return _fsdp_rank(
+        training_state_lifecycle(config, b, seq, first_step=True, optimizer_impl="loop"),
+        stage,
+        world_size,
+        rank,
+    )
 
 
 def _fsdp_ticks(ticks_: tuple[str, ...], n_layers: int) -> tuple[str, ...]:
@@ -187,7 +248,9 @@ def _fsdp_ticks(ticks_: tuple[str, ...], n_layers: int) -> tuple[str, ...]:
             out.append("backward.head:fsdp_unshard")
         elif t.endswith(":input_layernorm"):
             i = int(t.split(".")[2].split(":")[0])
-            out += [f"backward.layer.{i}:fsdp_post_backward"] + ([f"backward.layer.{i}:fsdp_unshard"] if i > 0 else [])
+            out += [f"backward.layer.{i}:fsdp_post_backward"] + (
+                [f"backward.layer.{i}:fsdp_unshard"] if i > 0 else []
+            )
         elif t == "backward.embed:accumulate":
             out.append("backward.embed:fsdp_post_backward")
     return tuple(out)
@@ -202,19 +265,35 @@ def _fsdp_rank(book, stage: int, n: int, rank: int):
     shards = {s.name: s for s in _shards(shape)}
     groups = _groups(shape)
     layers = [g for g in groups if g != "root"]
-    full = {g: 4 * n * sum(shards[p].padded_shard(n) for p in names) for g, names in groups.items()}  # buffer = unsharded
+    full = {
+        g: 4 * n * sum(shards[p].padded_shard(n) for p in names) for g, names in groups.items()
+    }  # buffer = unsharded
     last_tick = {g: f"backward.{g}:input_layernorm" for g in layers} | {"root": "backward.embed:accumulate"}
-    post = {g: f"backward.{g}:fsdp_post_backward" for g in layers} | {"root": "backward.embed:fsdp_post_backward"}
+    post = {g: f"backward.{g}:fsdp_post_backward" for g in layers} | {
+        "root": "backward.embed:fsdp_post_backward"
+    }
     states = []
     for st in book.states:
         if st.name == "parameters" or st.name.startswith("optimizer."):
             continue
-        if st.category == "gradients":  # the full gradient of an unsharded parameter: copied into its group's reduce-scatter
+        if (
+            st.category == "gradients"
+        ):  # the full gradient of an unsharded parameter: copied into its group's reduce-scatter
             group = f"layer.{st.name.split('.')[1]}" if st.name.startswith("layer.") else "root"
-            states.append(State(st.name + " (unsharded)", "upstream_grads", st.nbytes, st.created, post[group]))
+            states.append(
+                State(st.name + " (unsharded)", "upstream_grads", st.nbytes, st.created, post[group])
+            )
             continue
         states.append(st)
-    states.append(State("parameters (own shards, padded)", "parameters", 4 * sum(s.padded_shard(n) for s in shards.values()), BEFORE, AFTER))
+    states.append(
+        State(
+            "parameters (own shards, padded)",
+            "parameters",
+            4 * sum(s.padded_shard(n) for s in shards.values()),
+            BEFORE,
+            AFTER,
+        )
+    )
     order = ["root", *layers]
     gathers = n > 1  # on one rank FSDP2 copies its shard without an all-gather buffer
     # forward: each group gathered when it starts; its buffer stays until the next group's copies are made
@@ -222,30 +301,69 @@ def _fsdp_rank(book, stage: int, n: int, rank: int):
         compute = "forward.embed" if g == "root" else f"forward.{g}"
         unshard = f"{compute}:fsdp_unshard"
         if gathers:
-            states.append(State(f"{g}.all_gather_buffer (forward)", "workspace", full[g], unshard,
-                                f"forward.{order[k + 1]}:fsdp_unshard" if k + 1 < len(order) else "loss"))
-        kept = g == "root" or stage == 2  # stage 2 and the root: whole from the forward to the end of the backward
-        states.append(State(f"{g}.unsharded_params", "parameters", full[g], unshard, last_tick[g] if kept else compute))
+            states.append(
+                State(
+                    f"{g}.all_gather_buffer (forward)",
+                    "workspace",
+                    full[g],
+                    unshard,
+                    f"forward.{order[k + 1]}:fsdp_unshard" if k + 1 < len(order) else "loss",
+                )
+            )
+        kept = (
+            g == "root" or stage == 2
+        )  # stage 2 and the root: whole from the forward to the end of the backward
+        states.append(
+            State(f"{g}.unsharded_params", "parameters", full[g], unshard, last_tick[g] if kept else compute)
+        )
     if stage == 3:  # backward: each layer gathered again, the next one issued once the copies are made
         issue = "backward.loss:nll"
         for i in reversed(range(len(layers))):
             g = f"layer.{i}"
-            copied = "backward.head:fsdp_unshard" if i == len(layers) - 1 else f"backward.layer.{i + 1}:fsdp_unshard"
+            copied = (
+                "backward.head:fsdp_unshard"
+                if i == len(layers) - 1
+                else f"backward.layer.{i + 1}:fsdp_unshard"
+            )
             if gathers:
                 states.append(State(f"{g}.all_gather_buffer (backward)", "workspace", full[g], issue, copied))
-            states.append(State(f"{g}.unsharded_params (backward)", "parameters", full[g], copied, last_tick[g]))
+            states.append(
+                State(f"{g}.unsharded_params (backward)", "parameters", full[g], copied, last_tick[g])
+            )
             issue = after[copied]
     # post-backward: the reduce-scatter buffer stays until the next reduce-scatter; sharded gradients until zero_grad
     finish = [f"layer.{i}" for i in reversed(range(len(layers)))] + ["root"]
     for k, g in enumerate(finish):
         until = last_tick[finish[k + 1]] if k + 1 < len(finish) else post[g]
-        states += [State(f"{g}.reduce_scatter_buffer", "workspace", full[g], post[g], until),
-                   State(f"{g}.grad (own shards, padded)", "gradients", 4 * sum(shards[p].padded_shard(n) for p in groups[g]),
-                         post[g], "optimizer", "zero_grad")]
+        states += [
+            State(f"{g}.reduce_scatter_buffer", "workspace", full[g], post[g], until),
+            State(
+                f"{g}.grad (own shards, padded)",
+                "gradients",
+                4 * sum(shards[p].padded_shard(n) for p in groups[g]),
+                post[g],
+                "optimizer",
+                "zero_grad",
+            ),
+        ]
     local = [shards[name].local(n, rank) for name, _ in shape.parameter_tensors()]
     mine = [x for x in local if x]
-    states += [State("optimizer.adamw_states (own rows)", "optimizer_states", 8 * sum(mine) + 4 * len(local), "optimizer", AFTER),
-               State("optimizer.sqrt_temporaries (own rows)", "workspace", _loop_temporary(mine), "optimizer", "optimizer")]
+    states += [
+        State(
+            "optimizer.adamw_states (own rows)",
+            "optimizer_states",
+            8 * sum(mine) + 4 * len(local),
+            "optimizer",
+            AFTER,
+        ),
+        State(
+            "optimizer.sqrt_temporaries (own rows)",
+            "workspace",
+            _loop_temporary(mine),
+            "optimizer",
+            "optimizer",
+        ),
+    ]
     return dataclasses.replace(book, ticks=ticks_, states=tuple(states))
 
 
@@ -254,10 +372,15 @@ def communication(shape, stage: int, world_size: int) -> dict[str, tuple[int, in
     FSDP2 skips its collectives on one rank; DDP still all-reduces, and broadcasts its buffers (the
     rotary inv_freq) every forward."""
     shards = _shards(shape)
-    psi = 4 * sum(s.padded_shard(world_size) * world_size for s in shards) if stage >= 2 else 4 * shape.n_params
+    psi = (
+        4 * sum(s.padded_shard(world_size) * world_size for s in shards) if stage >= 2 else 4 * shape.n_params
+    )
     buffers = 2 * 4 * shape.head_dim // 2  # Qwen2RotaryEmbedding's inv_freq and original_inv_freq
     if stage in (0, 1):
-        out = {"broadcast_": (1, buffers), "allreduce_": (1, psi)}  # one bucket below DDP's 1 MiB first-bucket cap
+        out = {
+            "broadcast_": (1, buffers),
+            "allreduce_": (1, psi),
+        }  # one bucket below DDP's 1 MiB first-bucket cap
         if stage == 1:  # every tensor broadcast by its owner after the update
             out["broadcast_"] = (1 + len(shards), buffers + psi)
         return out
@@ -272,7 +395,9 @@ def communication(shape, stage: int, world_size: int) -> dict[str, tuple[int, in
 def zero_volume(collectives: dict[str, tuple[int, int]]) -> float:
     """The ZeRO paper's per-device volume of these collectives, in bytes moved: an all-reduce counts twice
     (a reduce-scatter and an all-gather), an all-gather, a reduce-scatter or a broadcast once."""
-    return sum((2 if name.startswith("allreduce") else 1) * payload for name, (_, payload) in collectives.items())
+    return sum(
+        (2 if name.startswith("allreduce") else 1) * payload for name, (_, payload) in collectives.items()
+    )
 
 
 def held_per_rank(config, stage: int, world_size: int, rank: int = 0) -> dict[str, int]:
@@ -285,9 +410,19 @@ def held_per_rank(config, stage: int, world_size: int, rank: int = 0) -> dict[st
     _check_stage(stage, world_size)
     shards = _shards(shape)
     if stage in (0, 1):
-        own = [s.numel for s in shards] if stage == 0 else \
-            [shards[k].numel for k in zero_partition([s.numel for s in shards], world_size)[rank]]
-        return {"parameters": 4 * shape.n_params, "gradients": 4 * shape.n_params, "optimizer_states": 8 * sum(own) + 4 * len(own)}
+        own = (
+            [s.numel for s in shards]
+            if stage == 0
+            else [shards[k].numel for k in zero_partition([s.numel for s in shards], world_size)[rank]]
+        )
+        return {
+            "parameters": 4 * shape.n_params,
+            "gradients": 4 * shape.n_params,
+            "optimizer_states": 8 * sum(own) + 4 * len(own),
+        }
     padded = 4 * sum(s.padded_shard(world_size) for s in shards)
-    return {"parameters": padded, "gradients": padded,
-            "optimizer_states": 8 * sum(s.local(world_size, rank) for s in shards) + 4 * len(shards)}
+    return {
+        "parameters": padded,
+        "gradients": padded,
+        "optimizer_states": 8 * sum(s.local(world_size, rank) for s in shards) + 4 * len(shards),
+    }

@@ -13,5 +13,14 @@ from trainmech.offload.hooks import ActivationOffload, restore_check
 from trainmech.offload.nominal import NOMINAL, step_flops
 from trainmech.offload.save_on_cpu import CountingSaveOnCpu
 
-__all__ = ["ActivationOffload", "CountingSaveOnCpu", "HostArena", "NOMINAL", "OffloadBook", "TransferStats", "host_arena",
-           "restore_check", "step_flops"]
+__all__ = [
+    "ActivationOffload",
+    "CountingSaveOnCpu",
+    "HostArena",
+    "NOMINAL",
+    "OffloadBook",
+    "TransferStats",
+    "host_arena",
+    "restore_check",
+    "step_flops",
+]

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from trainmech.errors import TrainmechError
 
+__all__ = ["EMBED_GROUP", "TransferStats", "Entry", "OffloadBook"]
+
 EMBED_GROUP = -1  # what the forward packs before the first decoder layer
 _KEPT = {"param": "kept_params", "small": "kept_small", "exempt": "kept_exempt"}  # keep_reason -> its counter
 
@@ -45,7 +47,9 @@ class TransferStats:
     h2d_bytes: int = 0
     stash_peak_bytes: int = 0  # most device bytes held at once for D2H copies not yet waited for
     host_peak_bytes: int = 0  # most bytes held in the host arena at once
-    host_chunks_allocated: int = 0  # host chunks this step had to allocate (0 once the arena holds a step's worth)
+    host_chunks_allocated: int = (
+        0  # host chunks this step had to allocate (0 once the arena holds a step's worth)
+    )
     transfer_s: float | None = None  # copy time on the side streams, both directions (CUDA events)
     h2d_wait_s: float | None = None  # compute-stream time spent waiting for H2D copies
     d2h_wait_s: float | None = None  # compute-stream time spent waiting for D2H copies before a release
@@ -92,8 +96,10 @@ class OffloadBook:
 
     def __post_init__(self) -> None:
         if self.min_bytes < 0 or self.prefetch_groups < 0 or self.stash_groups < 0:
-            raise TrainmechError(f"min_bytes, prefetch_groups and stash_groups must be ≥ 0, got "
-                                 f"{self.min_bytes}, {self.prefetch_groups}, {self.stash_groups}")
+            raise TrainmechError(
+                f"min_bytes, prefetch_groups and stash_groups must be ≥ 0, got "
+                f"{self.min_bytes}, {self.prefetch_groups}, {self.stash_groups}"
+            )
 
     # -- forward ---------------------------------------------------------------------------
     def keep_reason(self, nbytes: int, is_param: bool, same_device: bool) -> str | None:
@@ -120,8 +126,10 @@ class OffloadBook:
     def new_entry(self, nbytes: int, version: int) -> Entry:
         """A storage to move: counted, placed in the stash until its copy is waited for."""
         if self.backward_started:
-            raise TrainmechError("ActivationOffload packed a tensor after the backward started: one instance serves one "
-                                 "forward + backward; use a new one (or finish() this one) for the next step")
+            raise TrainmechError(
+                "ActivationOffload packed a tensor after the backward started: one instance serves one "
+                "forward + backward; use a new one (or finish() this one) for the next step"
+            )
         e = Entry(len(self.entries), self.group, nbytes, version)
         self.entries.append(e)
         self._stash.append(e)
@@ -156,8 +164,11 @@ class OffloadBook:
         """The backward touches `group`: moved storages of groups group - prefetch_groups … group not
         fetched yet and still needed, nearest (last packed) first."""
         low = group - self.prefetch_groups
-        return [e for e in reversed(self.entries)
-                if low <= e.group <= group and e.fetched is None and not e.released and e.refs > 0]
+        return [
+            e
+            for e in reversed(self.entries)
+            if low <= e.group <= group and e.fetched is None and not e.released and e.refs > 0
+        ]
 
     def fetching(self, entry: Entry, ahead: bool) -> None:
         self.stats.h2d_bytes += entry.nbytes
@@ -172,7 +183,8 @@ class OffloadBook:
             raise TrainmechError(
                 "ActivationOffload: a saved tensor was unpacked again after its last use, and its fetched copy is gone; "
                 "each saved reference is unpacked once per backward, so a second backward over the same graph "
-                "(backward(retain_graph=True) twice) needs the activations kept on the device: run it without offload")
+                "(backward(retain_graph=True) twice) needs the activations kept on the device: run it without offload"
+            )
 
     def unpacked(self, entry: Entry) -> bool:
         """One saved reference to `entry` was unpacked; True when it was the last (its copy may go)."""

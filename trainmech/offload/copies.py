@@ -28,6 +28,17 @@ from torch.utils._python_dispatch import _disable_current_modes
 from trainmech.errors import TrainmechError
 from trainmech.measure import born_as
 
+__all__ = [
+    "ALIGN",
+    "CHUNK_BYTES",
+    "as_bytes",
+    "HostArena",
+    "host_arena",
+    "side_streams",
+    "HostCopies",
+    "CudaCopies",
+]
+
 ALIGN = 512  # bytes: every arena slot starts on this boundary (vectorised copies)
 CHUNK_BYTES = 64 << 20  # smallest host chunk the arena allocates
 
@@ -58,8 +69,10 @@ class HostArena:
 
     def claim(self, owner: object) -> None:
         if self.owner is not None and self.owner is not owner:
-            raise TrainmechError("the offload's host arena is still held by another ActivationOffload: call finish() on "
-                                 "it after its backward before the next one packs")
+            raise TrainmechError(
+                "the offload's host arena is still held by another ActivationOffload: call finish() on "
+                "it after its backward before the next one packs"
+            )
         self.owner, self._chunk, self._offset = owner, 0, 0
 
     def release(self, owner: object) -> None:
@@ -76,7 +89,9 @@ class HostArena:
                 return view
             self._chunk, self._offset = self._chunk + 1, 0
         with _disable_current_modes():  # host memory: a device-memory tracker must not count it
-            self.chunks.append(torch.empty(max(nbytes, self.chunk_bytes), dtype=torch.uint8, pin_memory=self.pinned))
+            self.chunks.append(
+                torch.empty(max(nbytes, self.chunk_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+            )
         self.allocations += 1
         return self.slot(nbytes)
 
@@ -157,7 +172,9 @@ class CudaCopies(HostCopies):
 
     def begin(self, owner: object) -> None:
         super().begin(owner)
-        self.d2h.wait_stream(self.h2d)  # the previous step's H2D copies have read the slots this step overwrites
+        self.d2h.wait_stream(
+            self.h2d
+        )  # the previous step's H2D copies have read the slots this step overwrites
 
     def to_host(self, entry, storage: torch.UntypedStorage) -> None:
         entry.slot = self.arena.slot(entry.nbytes)
@@ -177,16 +194,22 @@ class CudaCopies(HostCopies):
             asked = torch.cuda.Event(enable_timing=True)
             asked.record(current)
             done = self._done.pop(e.index)
-            current.wait_event(done)  # the GPU waits for the copy before the block is reused; the host does not
+            current.wait_event(
+                done
+            )  # the GPU waits for the copy before the block is reused; the host does not
             self.d2h_waits.append((asked, done))
             e.source = None
 
     def to_device(self, entry) -> None:
         current = torch.cuda.current_stream(self.device)
         with born_as("fetch"):
-            dev = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)  # on the compute stream, freed there
+            dev = torch.empty(
+                entry.nbytes, dtype=torch.uint8, device=self.device
+            )  # on the compute stream, freed there
         start, end = self._events()
-        self.h2d.wait_stream(current)  # work queued before may still use the block the allocator just handed out
+        self.h2d.wait_stream(
+            current
+        )  # work queued before may still use the block the allocator just handed out
         with torch.cuda.stream(self.h2d):
             start.record()
             dev.copy_(entry.slot, non_blocking=True)

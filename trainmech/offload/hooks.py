@@ -23,6 +23,8 @@ import torch
 from trainmech.offload.book import OffloadBook, TransferStats
 from trainmech.offload.copies import CudaCopies, HostArena, HostCopies, host_arena
 
+__all__ = ["ActivationOffload", "restore_check"]
+
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     """Pack: leave parameters, small storages and exempt groups in place; copy every other storage
@@ -56,7 +58,9 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self.book = OffloadBook(min_bytes, exempt_from, prefetch_groups, stash_groups)
         self.book.group = -1 if self.layers else 0
         self.copies = (CudaCopies if self.cuda else HostCopies)(self.device, arena or host_arena(self.device))
-        self._identity: dict[int, tuple[weakref.ref, object]] = {}  # storage address -> (the storage, its entry)
+        self._identity: dict[
+            int, tuple[weakref.ref, object]
+        ] = {}  # storage address -> (the storage, its entry)
         self._handles: list = []
         self._begun = False
         super().__init__(self.pack, self.unpack)
@@ -112,10 +116,18 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         reason = self.book.keep_reason(storage.nbytes(), ptr in self.keep, t.device == self.device)
         if reason:
             self.book.count_kept(reason)
-            return self.book.group, t.detach()  # detached: a packed value must not hold the tensor (reference cycle)
+            return (
+                self.book.group,
+                t.detach(),
+            )  # detached: a packed value must not hold the tensor (reference cycle)
         view = (t.dtype, t.storage_offset(), t.size(), t.stride())
         known = self._identity.get(ptr)
-        if known is not None and known[0]() is storage and known[1].version == t._version and not known[1].released:
+        if (
+            known is not None
+            and known[0]() is storage
+            and known[1].version == t._version
+            and not known[1].released
+        ):
             self.book.share(known[1])
             return known[1], view
         if not self._begun:
@@ -172,7 +184,9 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         return self.stats
 
 
-def restore_check(hooks: torch.autograd.graph.saved_tensors_hooks) -> tuple[torch.autograd.graph.saved_tensors_hooks, dict[str, int]]:
+def restore_check(
+    hooks: torch.autograd.graph.saved_tensors_hooks,
+) -> tuple[torch.autograd.graph.saved_tensors_hooks, dict[str, int]]:
     """Wrap an offload's hooks so each tensor unpacked is compared with what was packed.
 
     Returns (hooks to enter instead, counts). counts["checked"] tensors went through;

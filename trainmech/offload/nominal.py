@@ -25,7 +25,7 @@ def step_flops(book, *, recompute: bool = False) -> dict[str, float]:
     shape, tokens = book.shape, book.batch * book.seq
     matmul = shape.n_params + (shape.vocab_size * shape.hidden_size if shape.tie_word_embeddings else 0)
     matmul -= shape.vocab_size * shape.hidden_size  # the embedding lookup is no matmul
-    attention = 2 * 2 * book.batch * book.seq ** 2 * shape.num_heads * shape.head_dim * shape.num_layers
+    attention = 2 * 2 * book.batch * book.seq**2 * shape.num_heads * shape.head_dim * shape.num_layers
     forward = 2 * matmul * tokens + attention
     layers = forward - 2 * shape.vocab_size * shape.hidden_size * tokens  # without the head
     return {"forward": forward, "backward": 2 * forward, "recompute": layers if recompute else 0.0}

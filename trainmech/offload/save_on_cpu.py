@@ -12,6 +12,8 @@ import torch
 
 from trainmech.offload.book import TransferStats
 
+__all__ = ["CountingSaveOnCpu"]
+
 
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
     """save_on_cpu whose pack / unpack count bytes and, on CUDA, record events read after the timed steps."""

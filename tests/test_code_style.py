@@ -1,0 +1,36 @@
+"""The code linter, as `make lint` runs it: ruff's checks and its formatter (configuration in pyproject.toml).
+
+Part of `make test`, so CI fails on a lint error or an unformatted file. The notebooks are not in
+ruff's scope: nbval and the glossary lint check them.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.package
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("command", [["check", "."], ["format", "--check", "."]], ids=["check", "format"])
+def test_ruff_is_clean(command):
+    run = subprocess.run(
+        [sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
+
+
+def test_ruff_finds_what_it_is_configured_to_find(tmp_path):
+    """The configuration is live: an unused import in a file under the package's rules is reported."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--config", str(ROOT / "pyproject.toml"), str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1 and "F401" in run.stdout
