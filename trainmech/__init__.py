@@ -5,6 +5,7 @@ at run time (models are built from configurations, the tokenizer from shipped te
 """
 
 import os
+from pathlib import Path
 
 # Set before transformers / huggingface_hub are imported anywhere through this package: they
 # read these variables once, at import time.
@@ -14,5 +15,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from trainmech.errors import TrainmechError  # noqa: E402
 
-__all__ = ["TrainmechError"]
+__all__ = ["TrainmechError", "REPO_ROOT"]
+
+# The checkout the package runs from (results/, notebooks/ and profiles/ sit beside trainmech/).
+REPO_ROOT = Path(__file__).resolve().parent.parent
 __version__ = "0.1.0"

@@ -54,6 +54,7 @@ from typing import Iterable
 
 __all__ = ["Term", "TERMS", "term", "render_markdown", "write_reference", "Finding", "lint_paths", "main"]
 
+# its own copy of trainmech.REPO_ROOT: this module imports nothing from the package (it lints without torch)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_PATH = Path("notebooks") / "reference" / "glossary.md"
 

@@ -19,7 +19,7 @@ __all__ = [
     "PROFILES_DIR",
     "MODES",
     "ModelSpec",
-    "Workload",
+    "WorkloadSpec",
     "Profile",
     "available",
     "load",
@@ -63,7 +63,7 @@ class ModelSpec(BaseModel):
         return {k: v for k, v in self.model_dump().items() if k not in identity}
 
 
-class Workload(BaseModel):
+class WorkloadSpec(BaseModel):
     """One registry workload: model, batch and sequence shape, micro-batch splits, updates."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -76,7 +76,7 @@ class Workload(BaseModel):
     experiments: list[str] = []
 
     @model_validator(mode="after")
-    def _splits_divide_batch(self) -> "Workload":
+    def _splits_divide_batch(self) -> "WorkloadSpec":
         bad = [m for m in self.micro_batches if m <= 0 or self.batch % m]
         if bad:
             raise ValueError(f"micro_batches {bad} do not divide batch {self.batch}")
@@ -93,7 +93,7 @@ class Profile(BaseModel):
     default_model: str
     packages: dict[str, str]
     models: dict[str, ModelSpec]
-    workloads: dict[str, Workload]
+    workloads: dict[str, WorkloadSpec]
 
     @model_validator(mode="after")
     def _references_exist(self) -> "Profile":
@@ -113,7 +113,7 @@ class Profile(BaseModel):
             )
         return self.models[name]
 
-    def workload(self, workload_id: str) -> Workload:
+    def workload(self, workload_id: str) -> WorkloadSpec:
         if workload_id not in self.workloads:
             raise TrainmechError(
                 f"profile {self.profile_id} has no workload {workload_id!r}; valid: {', '.join(self.workloads)}"

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainmech import REPO_ROOT
 from trainmech.errors import TrainmechError
 
 __all__ = [
@@ -68,7 +69,6 @@ __all__ = [
     "runs_with_evidence",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ENV = "TRAINMECH_RESULTS_DIR"  # where kernels write records when the runner or the tests say so
 
 SCHEMA_VERSION = (

@@ -43,12 +43,9 @@ NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")  # variables that pick other C
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
-    try:
-        import numpy as np
+    import numpy as np  # a dependency
 
-        np.random.seed(seed)
-    except ImportError:  # numpy is a dependency; keep seeding robust anyway
-        pass
+    np.random.seed(seed)
 
 
 def cpu_model() -> str | None:
@@ -136,10 +133,12 @@ class Session:
     def on_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def workload(self, workload_id: str) -> profiles.Workload:
+    def workload(self, workload_id: str) -> profiles.WorkloadSpec:
         return self.profile.workload(workload_id)
 
-    def workload_for(self, semantic_id: str, workload_id: str | None = None) -> tuple[str, profiles.Workload]:
+    def workload_for(
+        self, semantic_id: str, workload_id: str | None = None
+    ) -> tuple[str, profiles.WorkloadSpec]:
         """(id, workload): the given one, or the profile's first workload serving semantic_id."""
         if workload_id is not None:
             return workload_id, self.profile.workload(workload_id)

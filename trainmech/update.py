@@ -228,14 +228,11 @@ def _rng_state(device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str,
         tensors["rng.torch_cuda"] = torch.cuda.get_rng_state(device)
     version, internal, gauss = random.getstate()
     meta: dict[str, object] = {"python_random": [version, list(internal), gauss]}
-    try:
-        import numpy as np
+    import numpy as np  # a dependency
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        tensors["rng.numpy_keys"] = torch.from_numpy(keys.astype("int64"))
-        meta["numpy_random"] = [kind, pos, has_gauss, cached]
-    except ImportError:
-        pass
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["rng.numpy_keys"] = torch.from_numpy(keys.astype("int64"))
+    meta["numpy_random"] = [kind, pos, has_gauss, cached]
     return tensors, meta
 
 

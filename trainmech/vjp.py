@@ -19,6 +19,7 @@ import math
 import torch
 
 __all__ = [
+    "IGNORE_INDEX",
     "linear_forward",
     "linear_backward",
     "embedding_forward",
@@ -44,6 +45,7 @@ __all__ = [
     "saved_bytes",
 ]
 
+IGNORE_INDEX = -100  # a target at this value is not supervised (PyTorch / transformers convention)
 GELU_APPROXIMATIONS = ("none", "tanh")
 REDUCTIONS = ("mean", "sum")
 
@@ -224,7 +226,7 @@ def softmax_backward(saved, grad_out):
 # cross_entropy: loss = -log softmax(logits)[target], averaged over the targets that count
 
 
-def cross_entropy_forward(logits, targets, ignore_index=-100, reduction="mean"):
+def cross_entropy_forward(logits, targets, ignore_index=IGNORE_INDEX, reduction="mean"):
     """Cross-entropy of logits against class targets, as torch.nn.functional.cross_entropy.
 
     logits: (N, V), targets: (N,) integer class ids  ->  loss: () scalar.

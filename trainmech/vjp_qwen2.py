@@ -44,12 +44,8 @@ __all__ = [
     "benchmark",
 ]
 
-IGNORE_INDEX = -100
-
-
-def _require(condition, message):
-    if not condition:
-        raise ValueError(message)
+IGNORE_INDEX = vjp.IGNORE_INDEX
+_require = vjp._require  # the one refusal of the hand-written backward
 
 
 def _head_dims(config):

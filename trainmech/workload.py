@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from trainmech import vjp
 from trainmech.errors import TrainmechError
 from trainmech.profiles import ModelSpec
 
@@ -50,7 +51,7 @@ __all__ = [
     "n_params",
 ]
 
-IGNORE_INDEX = -100  # labels at this value are not supervised (PyTorch / transformers convention)
+IGNORE_INDEX = vjp.IGNORE_INDEX  # labels at this value are not supervised (one definition, beside the loss)
 CORPUS_PARTS = ("domain", "general")
 SPECIAL_TOKENS = ("<|pad|>", "<|endoftext|>")
 VOCAB_SIZE = 512
