@@ -375,19 +375,6 @@ def test_python_dash_m_trainmech_ledger(tmp_path):
 
 # ----------------------------------------------------------------------------- configs as transformers completes them
 
-QWEN = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "vocab_size": 151936,
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "tie_word_embeddings": True,
-    "hidden_act": "silu",
-}
-
 
 def test_missing_fields_take_transformers_defaults():
     untied = {k: v for k, v in QWEN.items() if k != "tie_word_embeddings"}
