@@ -386,6 +386,24 @@ def test_registry_experiments_are_the_architecture_ones():
         assert {"semantic_id", "page", "notebook", "comparison", "metrics", "reference"} <= set(e)
 
 
+def test_registry_figures_are_the_numbers_its_reference_quotes():
+    """`figures` is the `reference` text as data: every change there is quoted in the text, and back."""
+    quoted = {e["semantic_id"]: e for e in results.experiments() if "figures" in e}
+    assert {"TRAIN-CHECKPOINT", "TRAIN-OFFLOAD", "TRAIN-AMP-BACKWARD"} <= set(quoted)
+    for sid, e in quoted.items():
+        figures = results.reference_figures(sid)
+        assert figures["device"] in e["reference"] and figures["workload"] in e["reference"], sid
+        for name, value in figures.items():
+            if name.endswith("_change"):
+                assert f"{abs(value) * 100:.1f}%" in e["reference"], (sid, name)
+            elif name.endswith("_ratio"):
+                assert f"×{value}" in e["reference"], (sid, name)
+    assert results.reference_figures("TRAIN-CHECKPOINT")["allocated_peak_change"] == -0.337
+    assert results.reference_figures("TRAIN-LOOP") == {}
+    with pytest.raises(TrainmechError):
+        results.reference_figures("TRAIN-NOPE")
+
+
 def test_registry_status_is_derived_from_the_records():
     records = [
         rec("TRAIN-GRADIENT-ACCUMULATION", "cpu-seq32"),

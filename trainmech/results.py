@@ -64,6 +64,7 @@ __all__ = [
     "json_schema",
     "write_schema",
     "experiments",
+    "reference_figures",
     "evidence_status",
     "registry_markdown",
     "runs_with_evidence",
@@ -372,10 +373,20 @@ def write_schema(path: Path) -> Path:
 # ----------------------------------------------------------------------------- the registry
 
 
-def experiments() -> list[dict[str, str]]:
+def experiments() -> list[dict[str, Any]]:
     """The registry's experiments (package data `registry.toml`), in curriculum order."""
     text = resources.files("trainmech").joinpath("data/registry.toml").read_text(encoding="utf-8")
     return tomllib.loads(text)["experiments"]
+
+
+def reference_figures(semantic_id: str) -> dict[str, Any]:
+    """The GPU figures the registry quotes for one experiment (`figures` in registry.toml): device,
+    workload and changes as fractions (-0.337: a 33.7 % drop). Quoted from the registry document,
+    not measured by this project; {} when the registry quotes none."""
+    for e in experiments():
+        if e["semantic_id"] == semantic_id:
+            return dict(e.get("figures", {}))
+    raise TrainmechError(f"no experiment {semantic_id!r} in the registry")
 
 
 def evidence_status(records: list[Record]) -> str:

@@ -791,6 +791,7 @@ NOTEBOOK_CELLS = {
     "Task3:resume-check": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
     "Task4:imports-setup": "ledger.CUDA_POINTS instead of the CPU points",
     "Task4:lifecycle-vs-measured": "lifecycle bytes within 1 % instead of byte for byte",
+    "Task4:memory-history": "the count of allocator blocks no tensor state explains (zero by construction on CPU, not printed there)",
     "Task4:cuda-allocator-peaks": "the allocator model's allocated / reserved peaks against the GPU's own, the allocator history",
     "Task4:record-state-ledger": "allocated / reserved peaks into the record; measured_with torch.cuda.max_memory_allocated",
     "Task5:imports-setup": "3 warm-up + 21 timed updates on CUDA (1 + 3 on CPU)",

@@ -50,7 +50,7 @@ from trainmech.ledger.formulas import (
 )
 from trainmech.ledger.inventory import ATTENTION, DEVICES, SavedTensor, attention_kernel, layer_saved
 from trainmech.ledger.peers import benchmark
-from trainmech.ledger.recipes import FP32_BYTES, INDEX_BYTES, RECIPES, Recipe, recipe
+from trainmech.ledger.recipes import FP32_BYTES, INDEX_BYTES, RECIPES, Recipe, recipe, recipe_for_dtype
 from trainmech.ledger.scenarios import Scenario, scenario_ledger, scenario_matrix
 from trainmech.ledger.shape import SUPPORTED_MODEL_TYPES, ModelShape, load_config, model_shape
 from trainmech.ledger.states import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS
@@ -90,6 +90,7 @@ __all__ = [
     "RECIPES",
     "Recipe",
     "recipe",
+    "recipe_for_dtype",
     "SUPPORTED_MODEL_TYPES",
     "ModelShape",
     "load_config",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from trainmech.errors import TrainmechError
 
-__all__ = ["FP32_BYTES", "INDEX_BYTES", "Recipe", "RECIPES", "recipe"]
+__all__ = ["FP32_BYTES", "INDEX_BYTES", "Recipe", "RECIPES", "recipe", "recipe_for_dtype"]
 
 FP32_BYTES = 4  # tensors that stay fp32 whatever the recipe: norm statistics, the loss, its log-softmax
 INDEX_BYTES = 8  # int64: position ids, labels
@@ -57,3 +57,13 @@ def recipe(name: str) -> Recipe:
     if name not in RECIPES:
         raise TrainmechError(f"unknown dtype recipe {name!r}; valid: {', '.join(RECIPES)}")
     return RECIPES[name]
+
+
+RECIPE_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def recipe_for_dtype(dtype: str) -> str:
+    """The recipe of a model trained in one dtype throughout (a profile workload's `dtype`)."""
+    if dtype not in RECIPE_OF_DTYPE:
+        raise TrainmechError(f"no ledger recipe for dtype {dtype!r}; valid: {', '.join(RECIPE_OF_DTYPE)}")
+    return RECIPE_OF_DTYPE[dtype]
