@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Any
 
+from trainmech.display import progress
 from trainmech.errors import TrainmechError
 from trainmech.ledger.book import Ledger, training_state_lifecycle
 from trainmech.ledger.recipes import recipe
@@ -283,21 +285,21 @@ def measure_matrix(
     the allocator's peaks read after the backward and after the step. strategies: name -> (model -> context) or None."""
     device = next(model.parameters()).device
     out = {}
-    for opt_name, make in optimizers.items():
-        for name, context in strategies.items():
+    cells = list(product(optimizers.items(), strategies.items()))
+    for (opt_name, make), (name, context) in progress(cells, desc="scenarios", unit="scenario"):
+        model.load_state_dict(initial)
+        model.zero_grad(set_to_none=True)
+        optimizer = make(model.parameters())
+        tracked = [measured_peaks(tracked_step(model, optimizer, batch, context)) for _ in STEPS]
+        getattr(optimizer, "remove", lambda: None)()
+        probes = [(None, None, None)] * len(STEPS)
+        if device.type == "cuda":
             model.load_state_dict(initial)
-            model.zero_grad(set_to_none=True)
             optimizer = make(model.parameters())
-            tracked = [measured_peaks(tracked_step(model, optimizer, batch, context)) for _ in STEPS]
+            probes = [_allocator_probe(model, optimizer, batch, context) for _ in STEPS]
             getattr(optimizer, "remove", lambda: None)()
-            probes = [(None, None, None)] * len(STEPS)
-            if device.type == "cuda":
-                model.load_state_dict(initial)
-                optimizer = make(model.parameters())
-                probes = [_allocator_probe(model, optimizer, batch, context) for _ in STEPS]
-                getattr(optimizer, "remove", lambda: None)()
-            for update, (fb, whole), probe in zip(STEPS, tracked, probes):
-                out[(name, update, opt_name)] = Measured(fb, whole, *probe)
+        for update, (fb, whole), probe in zip(STEPS, tracked, probes):
+            out[(name, update, opt_name)] = Measured(fb, whole, *probe)
     model.load_state_dict(initial)
     return out
 
