@@ -116,3 +116,24 @@ def test_two_runs_on_one_machine_write_identical_records(tmp_path):
         for line in (tmp_path / "second" / "checks" / "Task0_training_loop.jsonl").read_text().splitlines()
     ]
     assert first == second and len(first) > 20
+
+
+def test_only_forgets_just_those_notebooks_last_runs(tmp_path):
+    """`--only TaskN` replaces TaskN's last run and keeps the others', so `--reuse` reports on every notebook."""
+    import json
+
+    from trainmech.portability import _forget
+
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "checks").mkdir()
+    for stem in ("Task0_training_loop", "Task4_state_ledger"):
+        (tmp_path / "notebooks" / f"{stem}.ipynb").write_text("{}")
+        (tmp_path / "checks" / f"{stem}.jsonl").write_text("")
+        (tmp_path / f"R__{stem}.json").write_text(json.dumps({"identity": {"notebook": stem}}))
+    _forget(tmp_path, ["Task4_state_ledger"])
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert left == [
+        "R__Task0_training_loop.json",
+        "checks/Task0_training_loop.jsonl",
+        "notebooks/Task0_training_loop.ipynb",
+    ]

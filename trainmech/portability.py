@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -238,6 +237,21 @@ def environment(variables: dict[str, str]):
                 os.environ[k] = v
 
 
+def _forget(out_dir: Path, stems: list[str]) -> None:
+    """Remove the last run of these notebooks under out_dir (executed copy, check log, records); the
+    other notebooks' last runs stay, so `--only` followed by `--reuse` reports on every notebook."""
+    for stem in stems:
+        (out_dir / "notebooks" / f"{stem}.ipynb").unlink(missing_ok=True)
+        (out_dir / "checks" / f"{stem}.jsonl").unlink(missing_ok=True)
+    for record in out_dir.glob("*.json"):
+        try:
+            notebook = json.loads(record.read_text(encoding="utf-8")).get("identity", {}).get("notebook")
+        except (OSError, ValueError):
+            notebook = None
+        if notebook is None or notebook in stems:
+            record.unlink()
+
+
 def execute(path: str, notebooks: list[Path], out_dir: Path, timeout: float = 1200.0) -> dict[str, float]:
     """Execute the notebooks as committed (default parameters) under one numeric path.
 
@@ -249,8 +263,8 @@ def execute(path: str, notebooks: list[Path], out_dir: Path, timeout: float = 12
     from trainmech.execution import notebook_client
     from trainmech.runner import records_into
 
-    shutil.rmtree(out_dir, ignore_errors=True)
-    (out_dir / "notebooks").mkdir(parents=True)
+    _forget(out_dir, [nb.stem for nb in notebooks])
+    (out_dir / "notebooks").mkdir(parents=True, exist_ok=True)
     seconds = {}
     with environment(PATHS[path]), records_into(out_dir):
         for nb_path in notebooks:
