@@ -340,7 +340,10 @@ def report_markdown(result: dict, paths: list[str], seconds: dict) -> str:
     ]
     for p in paths:
         variables = " ".join(f"{k}={v}" for k, v in PATHS[p].items()) or "(none: this machine's defaults)"
-        lines.append(f"| {p} | {variables} | {sum(seconds.get(p, {}).values()):.0f} |")
+        ran = seconds.get(p)  # None: analysed from the last runs (--reuse), not timed here
+        lines.append(
+            f"| {p} | {variables} | {f'{sum(ran.values()):.0f}' if ran else 'not timed (--reuse)'} |"
+        )
     lines += ["", f"## Outputs against the committed notebooks: {len(result['diffs'])} differing cell(s)", ""]
     lines += [
         f"- {d.path} · {d.notebook} · {d.cell}: `{d.committed}` → `{d.fresh}`" for d in result["diffs"]
