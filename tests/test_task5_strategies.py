@@ -13,7 +13,6 @@ from contextlib import contextmanager
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trainmech import checkpointing as C
 from trainmech import ledger, measure
@@ -27,29 +26,16 @@ pytestmark = pytest.mark.task5
 B, T, V, LAYERS = 2, 16, 97, 3
 
 
-def tiny_model(**overrides) -> Qwen2ForCausalLM:
-    kwargs = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_cache=False,
+@pytest.fixture(scope="module")
+def tiny_model(tiny_qwen2):
+    """Factory: the shared tiny Qwen2 (tests/conftest.py) with 3 layers, SDPA attention and no KV cache."""
+    return lambda **overrides: tiny_qwen2(
+        num_hidden_layers=LAYERS, attn_implementation="sdpa", use_cache=False, **overrides
     )
-    kwargs.update(overrides)
-    config = Qwen2Config(**kwargs)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).train()
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(tiny_model):
     return tiny_model()
 
 
@@ -163,7 +149,7 @@ def test_dispatched_ops_follow_the_attention_kernel(model, batch):
     assert not any("scaled_dot_product" in name for name in dispatched)
 
 
-def test_recomputed_tensors_are_saved_tensors_in_a_measurement(batch, tensors):
+def test_recomputed_tensors_are_saved_tensors_in_a_measurement(batch, tensors, tiny_model):
     """One vocabulary with the ledger: what the backward re-creates is filed as saved, not workspace."""
     model = tiny_model()  # updated here: not the module's shared model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -222,7 +208,7 @@ def test_inplace_on_outside_state_is_silent_but_wrong():
     assert not torch.allclose(g_plain, g_ckpt)
 
 
-def test_dropout_rng_preserved_or_not():
+def test_dropout_rng_preserved_or_not(tiny_model):
     model = tiny_model(attention_dropout=0.3)
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
     batch = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
@@ -330,7 +316,7 @@ def test_offload_equal_counts_bytes_and_keeps_params(model, batch, baseline, pre
     assert all(e.group < LAYERS - 1 for e in offload.entries)  # the last layer stays on the device
 
 
-def test_offload_moves_what_the_ledger_lists_and_its_peak_is_the_ledgers(batch, tensors):
+def test_offload_moves_what_the_ledger_lists_and_its_peak_is_the_ledgers(batch, tensors, tiny_model):
     """The ledger's offload view (ledger.Ledger.offloaded) models the groups, the stash and the prefetch window.
 
     min_bytes half a hidden state: the ledger lists RoPE's cos and sin as one state, the hooks see two storages,
@@ -462,7 +448,7 @@ def test_save_on_cpu_moves_everything_and_restores_values(model, batch, baseline
 # ----------------------------------------------------------------------------- optimizer-in-backward and the scenarios
 
 
-def test_optimizer_in_backward_equals_adamw_and_frees_every_gradient(batch):
+def test_optimizer_in_backward_equals_adamw_and_frees_every_gradient(batch, tiny_model):
     def two_updates(in_backward):
         model = tiny_model()
         optimizer = (
