@@ -309,6 +309,17 @@ def check_ledger_on_device(probe: Probe) -> str:
         model.reserved_peak >= model.allocated_peak >= model.tensor_peak,
         f"allocator model out of order: {model}",
     )
+    fields = ledger.record_fields(
+        steady, [first, steady], worst_error=0.0, kernel=kernels[0], on_cuda=probe.cuda
+    )
+    allocator_fields = [
+        fields["resources"]["peak_allocated_bytes"],
+        fields["resources"]["peak_reserved_bytes"],
+    ]
+    require(
+        all(v is not None for v in allocator_fields) if probe.cuda else allocator_fields == [None, None],
+        f"the record's allocator peaks on {probe.device.type}: {allocator_fields}",
+    )
     gpu = ""
     if probe.cuda:
         m = steady.measured
@@ -673,6 +684,7 @@ PACKAGE = [
             "ledger.states._state_bytes_per_tensor",
             "ledger.book.training_state_lifecycle",
             "ledger.compare.measure_point",
+            "ledger.compare.record_fields",
             "ledger.peers.benchmark",
             "ledger.cli.render",
         ),
@@ -793,7 +805,7 @@ NOTEBOOK_CELLS = {
     "Task4:lifecycle-vs-measured": "lifecycle bytes within 1 % instead of byte for byte",
     "Task4:memory-history": "the count of allocator blocks no tensor state explains (zero by construction on CPU, not printed there)",
     "Task4:cuda-allocator-peaks": "the allocator model's allocated / reserved peaks against the GPU's own, the allocator history",
-    "Task4:record-state-ledger": "allocated / reserved peaks into the record; measured_with torch.cuda.max_memory_allocated",
+    "Task4:record-state-ledger": "the record's fields from ledger.record_fields (CUDA: the allocator's peaks)",
     "Task5:imports-setup": "3 warm-up + 21 timed updates on CUDA (1 + 3 on CPU)",
     "Task5:protocol": "gate 2 against the baseline everywhere; the bitwise claim on CPU only",
     "Task5:baseline-ledger": "the baseline peak claim is CPU-only",

@@ -39,6 +39,7 @@ from trainmech.ledger.compare import (
     measured_peaks,
     measured_saved_after_forward,
     padded_batch,
+    record_fields,
     tracked_step,
 )
 from trainmech.ledger.formulas import (
@@ -73,6 +74,7 @@ __all__ = [
     "CUDA_POINTS",
     "Comparison",
     "measure_point",
+    "record_fields",
     "measured_bytes_per_param",
     "padded_batch",
     "deepspeed_zero2_gpu_bytes",

@@ -27,6 +27,7 @@ __all__ = [
     "Comparison",
     "padded_batch",
     "measure_point",
+    "record_fields",
     "measured_bytes_per_param",
     "UPDATE_TICKS",
     "measured_peaks",
@@ -320,3 +321,43 @@ def _allocator_probe(model, optimizer, batch: dict, context) -> tuple[int, int, 
     whole = measure.cuda_peaks(device)
     optimizer.zero_grad(set_to_none=True)
     return forward_backward, whole["peak_allocated_bytes"], whole["peak_reserved_bytes"]
+
+
+def record_fields(
+    point: Comparison, points: list[Comparison], *, worst_error: float, kernel: str, on_cuda: bool
+) -> dict:
+    """The `resources` and `metrics` of a TRAIN-STATE-LEDGER record: one point predicted against measured,
+    beside every point of the run (`model/bBsS/step` -> bytes and error). CPU: the CUDA allocator's
+    fields are null and the peak is the tracked tensor storages'."""
+
+    def key(c: Comparison) -> str:
+        return f"{c.model}/b{c.batch}s{c.seq}/{c.step}"
+
+    peak, measured = point.predicted.peak_overlap(), point.measured
+    return {
+        "resources": {
+            "peak_allocated_bytes": measured.peak_allocated_bytes if on_cuda else None,
+            "peak_reserved_bytes": measured.peak_reserved_bytes if on_cuda else None,
+        },
+        "metrics": {
+            "predicted_peak_bytes": point.predicted_peak,
+            "measured_peak_bytes": point.measured_peak,
+            "cpu_tracked_peak_bytes": None if on_cuda else measured.peak_bytes,
+            "peak_error": point.error,
+            "worst_abs_error_all_points": worst_error,
+            "attention_kernel": kernel,
+            "optimizer_impl": point.predicted.setup.optimizer_impl,
+            "predicted_peak_phase": peak.phase,
+            "measured_peak_phase": measured.peak_phase,
+            "predicted_forward_backward_peak_bytes": point.predicted.forward_backward_peak().bytes,
+            "measured_forward_backward_peak_bytes": point.measured_forward_backward_peak,
+            "predicted_by_category": peak.by_category,
+            "measured_by_category": measured.by_category(),
+            "measured_with": "torch.cuda.max_memory_allocated"
+            if on_cuda
+            else "trainmech.measure.StorageTracker (tensor storages)",
+            "points_predicted_bytes": {key(c): c.predicted_peak for c in points},
+            "points_measured_bytes": {key(c): c.measured_peak for c in points},
+            "points_error": {key(c): c.error for c in points},
+        },
+    }
