@@ -694,7 +694,7 @@ def test_a_step_measured_by_the_cpu_allocator_takes_the_cuda_side_of_the_compari
     gpu = ledger.AllocatorPeaks("cuda", 1000, 1100, 1500, ledger.allocator.CudaPeaks(1000, 1155, 1200))
     assert gpu.tracked_error == pytest.approx(0.1) and gpu.allocated_error == pytest.approx(0.05)
     assert gpu.reserved_error == pytest.approx(-0.2)
-    assert "1,500   allocator model 1,200 (-20.0%)" in "\n".join(gpu.lines())
+    assert "allocated 1,155 (+5.0%), reserved 1,200 (-20.0% of the measured 1,500" in "\n".join(gpu.lines())
     plain = ledger.measure_point("qwen2-tiny", 1, 16, steps=("first",))
     with pytest.raises(TrainmechError, match="without an allocator") as e:
         ledger.allocator_peaks(plain[0], plain[0])

@@ -820,6 +820,8 @@ NOT_BRANCHES = {
     "runner._provenance": "names run.json's intra-op thread count (CPU kernels pin one); nothing runs on CUDA",
     "ledger.cli.main": "the calculator's --device is a paper choice (cuda works on any machine): it reads the CUDA "
     "context from a gpu-check report; tests/test_task4_ledger.py runs both sides",
+    "ledger.allocator.cuda_context": "reads a gpu-check report's mode (a report of a GPU run or a CPU self-test); "
+    "nothing runs on CUDA, tests/test_task4_ledger.py reads both kinds",
 }
 
 # Notebook cells whose CUDA side only a CUDA-mode run executes (the notebook pass runs them).

@@ -379,16 +379,20 @@ class AllocatorPeaks:
         return self.model.reserved_peak / self.measured_reserved - 1
 
     def lines(self) -> list[str]:
-        reserved = (
-            "unknown (this allocator reports no reserved bytes)"
-            if self.measured_reserved is None
-            else f"{self.measured_reserved:,}   allocator model {self.model.reserved_peak:,} ({self.reserved_error:+.1%})"
-        )
-        return [
+        """The allocated peak beside the tracked tensors; on CUDA the allocator model's two peaks beside it."""
+        out = [
             f"allocated peak of the update ({self.source}): measured {self.measured_allocated:,}   "
-            f"tracked tensors {self.tracked_bytes:,} ({self.tracked_error:+.2%})   "
-            f"allocator model {self.model.allocated_peak:,} ({self.allocated_error:+.1%})",
-            f"reserved peak (whole process): measured {reserved}",
+            f"tracked tensors {self.tracked_bytes:,} ({self.tracked_error:+.2%})"
+        ]
+        if self.measured_reserved is None:
+            return out + [
+                "reserved peak: unknown (this allocator reports none); the allocator model predicts CUDA's "
+                "caching allocator, which does not run here"
+            ]
+        return out + [
+            f"allocator model: allocated {self.model.allocated_peak:,} ({self.allocated_error:+.1%}), reserved "
+            f"{self.model.reserved_peak:,} ({self.reserved_error:+.1%} of the measured {self.measured_reserved:,}, "
+            "whole process)"
         ]
 
 

@@ -313,15 +313,17 @@ PRECISION_PEAKS = (
 def _precision_peaks(config, batch: int, seq: int, dtype: str, options: dict) -> dict[str, int]:
     first = training_state_lifecycle(config, batch, seq, dtype=dtype, first_step=True, **options)
     steady = training_state_lifecycle(config, batch, seq, dtype=dtype, **options)
-    cuda = allocator.cuda_peaks(first, steady)  # the caching allocator over a first update, then a steady one
+    replayed = allocator.cuda_peaks(
+        first, steady
+    )  # the caching allocator over a first update, then a steady one
     values = (
         first.forward_backward_peak().bytes,
         first.peak_overlap().bytes,
         steady.forward_backward_peak().bytes,
         steady.peak_overlap().bytes,
         max(first.peak_overlap().bytes, steady.peak_overlap().bytes),
-        cuda.allocated_peak,
-        cuda.reserved_peak,
+        replayed.allocated_peak,
+        replayed.reserved_peak,
     )
     return dict(zip(PRECISION_PEAKS, values))
 
