@@ -723,7 +723,7 @@ PACKAGE = [
         "(flash on CPU); flash's RNG seed and offset saved on CUDA; foreach AdamW temporaries and AdamW's step counters "
         "on the host on CUDA; lifecycle bytes within 1 %; the allocator model's peaks beside the allocator's own",
         check_ledger_on_device,
-        6,
+        8,
     ),
     Branch(
         "offload",
