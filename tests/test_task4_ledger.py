@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -651,3 +652,306 @@ def test_measure_and_the_ledger_share_one_vocabulary():
         "unsaved_activations",
         "upstream_grads",
     } <= set(ledger.CATEGORIES)
+
+
+# ----------------------------------------------------------------------------- Task4's CUDA branches, run on a CPU
+
+
+def test_lifecycle_bytes_error_is_what_a_cuda_run_is_held_to():
+    first, steady = ledger.measure_point("qwen2-tiny", 2, 32)
+    for c in (first, steady):
+        assert c.lifecycle_bytes_error() == 0.0 and "differences: none" in c.lifecycle_line()
+    # the same measurement against a ledger of the math kernel: the s×s probabilities cross forward -> backward
+    math = ledger.training_state_lifecycle(first.predicted.shape, 2, 32, first_step=True, attention="math")
+    wrong = ledger.Comparison(first.model, 2, 32, "first", math, first.measured)
+    ours, theirs = (
+        sum(math.crossing_lifecycles().values()),
+        sum(first.measured_crossing_lifecycles().values()),
+    )
+    assert wrong.lifecycle_bytes_error() == abs(ours - theirs) / theirs > 0.01  # it fails the 1 % claim
+    probs = sum(
+        t.nbytes for t in ledger.layer_saved(math.shape, 2, 32, kernel="math") if t.name.endswith("probs")
+    )
+    assert ours - theirs >= math.shape.num_layers * probs  # at least the probabilities of every layer
+    assert wrong.lifecycle_differences() and "differences: {" in wrong.lifecycle_line()
+
+
+def test_a_step_measured_by_the_cpu_allocator_takes_the_cuda_side_of_the_comparison():
+    first, steady = ledger.measure_point("qwen2-tiny", 2, 32, allocator="cpu-profiler")
+    for c in (first, steady):  # measured_peak is the allocator's, as torch.cuda's would be
+        m = c.measured
+        assert m.step_peak_allocated_bytes is not None and c.measured_peak == m.step_peak_allocated_bytes
+        assert abs(c.error) <= 0.01 and c.tracked_peak == m.peak_bytes
+    peaks = ledger.allocator_peaks(first, steady)
+    assert peaks.source == "cpu-profiler" and peaks.measured_reserved is None and peaks.reserved_error is None
+    assert peaks.tracked_bytes == steady.measured.peak_bytes and abs(peaks.tracked_error) <= 0.01
+    assert peaks.model == ledger.allocator.cuda_peaks(first.predicted, steady.predicted)
+    assert peaks.model.tensor_peak <= peaks.model.allocated_peak <= peaks.model.reserved_peak
+    assert peaks.allocated_error == peaks.model.allocated_peak / steady.measured.step_peak_allocated_bytes - 1
+    text = "\n".join(peaks.lines())
+    assert f"measured {steady.measured.step_peak_allocated_bytes:,}" in text and "unknown" in text
+    # the arithmetic the CUDA cell prints, with a reserved peak as torch.cuda reports one
+    gpu = ledger.AllocatorPeaks("cuda", 1000, 1100, 1500, ledger.allocator.CudaPeaks(1000, 1155, 1200))
+    assert gpu.tracked_error == pytest.approx(0.1) and gpu.allocated_error == pytest.approx(0.05)
+    assert gpu.reserved_error == pytest.approx(-0.2)
+    assert "allocated 1,155 (+5.0%), reserved 1,200 (-20.0% of the measured 1,500" in "\n".join(gpu.lines())
+    plain = ledger.measure_point("qwen2-tiny", 1, 16, steps=("first",))
+    with pytest.raises(TrainmechError, match="without an allocator") as e:
+        ledger.allocator_peaks(plain[0], plain[0])
+    assert "\n" not in str(e.value)
+
+
+def test_cuda_record_fields_validate_as_a_gpu_measured_record():
+    from trainmech import results
+
+    points = ledger.measure_point("qwen2-tiny", 2, 32, allocator="cpu-profiler")
+    steady = points[1]
+    fields = ledger.record_fields(steady, points, worst_error=0.0, kernel="flash", on_cuda=True)
+    template = json.loads(
+        (results.REPO_ROOT / "results" / "cpu-reference" / "TRAIN-STATE-LEDGER__cpu-b2s128.json").read_text()
+    )
+    gpu_env = {"device": "cuda:0", "gpu": "NVIDIA H200", "gpu_memory_bytes": 150_000_000_000, "cuda": "12.8"}
+    record = results.validate(
+        {
+            **template,
+            "environment": {**template["environment"], **gpu_env},
+            "conclusion": {**template["conclusion"], "evidence_level": "gpu-measured"},
+            **fields,
+        }
+    )
+    assert record.resources.peak_allocated_bytes == steady.measured.peak_allocated_bytes is not None
+    assert record.metrics["cpu_tracked_peak_bytes"] is None
+    assert record.metrics["measured_peak_bytes"] == steady.measured.step_peak_allocated_bytes
+    assert record.metrics["measured_with"] == "torch.cuda.max_memory_allocated"
+    cpu = ledger.record_fields(steady, points, worst_error=0.0, kernel="flash", on_cuda=False)
+    assert cpu["resources"] == {"peak_allocated_bytes": None, "peak_reserved_bytes": None}
+    untracked = ledger.measure_point("qwen2-tiny", 1, 16, steps=("first",))
+    with pytest.raises(TrainmechError, match="allocator's peaks"):
+        ledger.record_fields(untracked[0], untracked, worst_error=0.0, kernel="flash", on_cuda=True)
+
+
+def _cuda_snapshot(steps, workspace: int, scratch: int) -> dict:
+    """A torch.cuda.memory._snapshot() dict, in the format torch/cuda/memory.py documents (segments, and
+    device_traces of TraceEntry: action, addr, size, stream, time_us, frames), for tracked steps run here:
+    every tracked storage an alloc and a free_requested / free_completed pair at its own address, in event
+    order, and two blocks no tensor is: a workspace allocated first and never freed (as cuBLAS's is), and a
+    kernel's scratch buffer alive for one event of the first step."""
+    frames = [{"filename": "trainmech/measure.py", "line": 1, "name": "training_step_memory"}]
+    events, offset = [], 0
+    for step in steps:
+        for a in step.allocations:
+            events.append((offset + a.born, 0, "alloc", a.address, a.nbytes))
+            if a.died is not None:
+                events.append((offset + a.died, 0, "free", a.address, a.nbytes))
+        offset += len(step.live)
+    top = max(a.address + a.nbytes for s in steps for a in s.allocations)
+    ws_addr, scratch_addr = top + (1 << 30), top + (2 << 30)
+    events += [(-1, 0, "alloc", ws_addr, workspace), (3, 1, "alloc", scratch_addr, scratch)]
+    events.append((3, 2, "free", scratch_addr, scratch))
+    trace = [
+        {
+            "action": "segment_alloc",
+            "addr": ws_addr,
+            "size": 20 << 20,
+            "stream": 0,
+            "time_us": 0,
+            "frames": [],
+        }
+    ]
+    for t, (_, _, action, addr, size) in enumerate(sorted(events), start=1):
+        entry = {"addr": addr, "size": size, "stream": 0, "time_us": t, "frames": frames}
+        actions = ("alloc",) if action == "alloc" else ("free_requested", "free_completed")
+        trace += [{"action": name, **entry} for name in actions]
+    alive = [(ws_addr, workspace)] + [
+        (a.address, a.nbytes) for s in steps for a in s.allocations if a.died is None
+    ]
+    blocks = [
+        {
+            "address": addr,
+            "size": -(-size // 512) * 512,
+            "requested_size": size,
+            "state": "active_allocated",
+            "frames": frames,
+        }
+        for addr, size in alive
+    ]
+    blocks.append({"address": 0, "size": 2 << 20, "requested_size": 0, "state": "inactive", "frames": []})
+    used = sum(b["size"] for b in blocks[:-1])
+    segment = {
+        "device": 0,
+        "address": ws_addr,
+        "total_size": used + (2 << 20),
+        "stream": 0,
+        "segment_type": "large",
+        "segment_pool_id": (0, 0),
+        "allocated_size": used,
+        "active_size": used,
+        "requested_size": sum(size for _, size in alive),
+        "is_expandable": False,
+        "frames": [],
+        "blocks": blocks,
+    }
+    return {"segments": [segment], "device_traces": [trace]}
+
+
+def test_the_memory_history_of_a_cuda_snapshot_names_the_blocks_no_tensor_explains():
+    from torch.cuda import _memory_viz
+
+    from trainmech import plots
+
+    (first,) = ledger.measure_point("qwen2-tiny", 2, 32, steps=("first",))
+    steps = [first.measured]
+    snapshot = _cuda_snapshot(steps, workspace=1 << 19, scratch=1 << 17)  # beside a few MiB of tensors
+    assert "TOTAL MEM" in _memory_viz.trace(snapshot)  # PyTorch's own readers take it
+    assert "segments: 1" in _memory_viz.segsum(snapshot)
+    history = measure._history_from_snapshot(snapshot, 0)
+    tracked = steps[0].allocations
+    assert history.source == "cuda-allocator" and len(history.blocks) == len(tracked) + 2
+    assert history["alloc_events"] == len(tracked) + 2
+    assert history["free_events"] == sum(a.died is not None for a in tracked) + 1
+    assert history["segments"] == 1 and history["reserved_bytes"] == snapshot["segments"][0]["total_size"]
+    assert measure._history_from_snapshot(snapshot, 1).blocks == []  # another device: nothing recorded
+    timeline = measure.step_history(history, steps)
+    assert timeline is history  # the allocator's history, labelled: not the tracker's stand-in
+    only = timeline.allocator_only()
+    assert (
+        [b.nbytes for b in only] == [1 << 19, 1 << 17] and only[0].died is None and only[1].died is not None
+    )
+    named = [(b.category, b.phase) for b in timeline.blocks if b.category != measure.ALLOCATOR_ONLY]
+    assert named == [(steps[0].category(a), a.born_phase) for a in tracked]
+    assert f"2 blocks ({(1 << 19) + (1 << 17):,} bytes) no tensor state explains" in timeline.describe()
+    fig = plots.memory_viz_timeline(timeline, title="snapshot")
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert measure.ALLOCATOR_ONLY in labels and "saved" in labels
+    stand_in = measure.step_history(measure.MemoryHistory(), steps)
+    assert stand_in.source == "storage-tracker" and stand_in.allocator_only() == []
+    assert "by construction" in stand_in.describe()
+
+
+def test_flash_keeps_its_rng_state_on_cuda_as_torch_meta_kernel_says():
+    q = torch.empty(2, 4, 16, 16, device="meta", dtype=torch.bfloat16)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True)
+    seed, offset = out[6], out[7]  # philox seed and offset, which its autograd node saves
+    rows = ledger.rng_state_saved("flash", "cuda")
+    assert [(t.shape, t.element_bytes) for t in rows] == [
+        (tuple(seed.shape), seed.element_size()),
+        (tuple(offset.shape), offset.element_size()),
+    ]
+    assert (
+        ledger.rng_state_saved("flash", "cpu") == []
+    )  # the CPU flash kernel returns output and logsumexp only
+    assert ledger.rng_state_saved("efficient", "cuda") == []  # its seed and offset live on the host
+    assert ledger.rng_state_saved("math", "cuda") == []
+    big = ledger.model_shape("qwen2.5-0.5b")
+    on = {
+        d: sum(t.nbytes for t in ledger.layer_saved(big, 2, 512, "bf16", device=d)) for d in ("cpu", "cuda")
+    }
+    assert on["cuda"] - on["cpu"] == 24  # the same inventory, plus 16 + 8 bytes on CUDA
+    book = ledger.training_state_lifecycle(big, 2, 512, dtype="bf16", device="cuda")
+    seed_state = next(st for st in book.states if st.name == "layer.0.self_attn.sdpa_rng_seed")
+    assert (seed_state.category, seed_state.nbytes, seed_state.released_at) == (
+        "saved",
+        16,
+        "backward.layer.0:attention",
+    )
+
+
+def _context_report(tmp_path, **limits) -> str:
+    report = {
+        "schema": "trainmech-gpu-check/1",
+        "started_at": "2026-11-29T10:00:00+00:00",
+        "mode": "cuda",
+        "environment": {"gpu": "NVIDIA H200"},
+        "limits": limits,
+    }
+    path = tmp_path / "gpu-check.json"
+    path.write_text(json.dumps(report))
+    return str(path)
+
+
+def test_the_cuda_context_is_null_until_gpu_check_measured_it(tmp_path, capsys):
+    argv = ["--config", "qwen2.5-0.5b", "--batch", "2", "--seq", "512", "--device", "cuda"]
+    missing = ["--gpu-check", str(tmp_path / "none.json")]
+    rc, out, _ = _run(argv + missing, capsys)
+    line = next(x for x in out.splitlines() if "CUDA context" in x)
+    assert rc == 0 and "unknown (null)" in line
+    rc, out, _ = _run(argv + missing + ["--json"], capsys)
+    got = json.loads(out)
+    assert (got["cuda_context_bytes"], got["cuda_context_source"]) == (None, None)
+    measured = ["--gpu-check", _context_report(tmp_path, cuda_context_bytes=536_870_912)]
+    rc, out, _ = _run(argv + measured, capsys)
+    line = next(x for x in out.splitlines() if "CUDA context" in x)
+    assert "512.0 MiB (536,870,912 bytes)" in line and "NVIDIA H200" in line and "gpu-check.json" in line
+    rc, out, _ = _run(argv + measured + ["--json"], capsys)
+    got = json.loads(out)
+    assert got["cuda_context_bytes"] == 536_870_912 and "NVIDIA H200" in got["cuda_context_source"]
+    rc, out, _ = _run(argv[:-2] + measured + ["--json"], capsys)  # a CPU step has no CUDA context
+    assert json.loads(out)["cuda_context_bytes"] is None
+    for unknown in (
+        {"cuda_context_bytes": None},
+        {},
+    ):  # gpu-check off CUDA, or before it measured the context
+        assert (
+            ledger.allocator.cuda_context(_context_report(tmp_path, **unknown))
+            == ledger.allocator.CudaContext()
+        )
+    self_test = json.loads(Path(_context_report(tmp_path, cuda_context_bytes=1)).read_text()) | {
+        "mode": "cpu-self-test (no GPU evidence)"
+    }
+    (tmp_path / "gpu-check.json").write_text(json.dumps(self_test))
+    assert ledger.allocator.cuda_context(tmp_path / "gpu-check.json").nbytes is None
+
+
+def test_precision_changes_name_every_peak_the_ledger_predicts():
+    default14 = ledger.scenarios.precision_changes(
+        "qwen2.5-0.5b", 2, 256, device="cuda", dtype="autocast-fp16"
+    )
+    assert list(default14) == list(ledger.scenarios.PRECISION_PEAKS)
+    steady = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 256, device="cuda", dtype="autocast-fp16")
+    assert (
+        steady.peak_overlap().phase == "optimizer"
+    )  # fp32 states only at that moment: autocast cannot move it
+    assert default14["steady update, whole update (tensors)"] == 0.0
+    # where activations dominate, the same function sees autocast's saving
+    long = ledger.scenarios.precision_changes("qwen2.5-0.5b", 4, 2048, device="cuda", dtype="autocast-bf16")
+    assert long["steady update, forward+backward (tensors)"] < -0.1
+
+
+def test_the_committed_peers_report_has_the_points_and_tools_the_code_defines():
+    from trainmech import results
+    from trainmech.ledger import peers
+
+    folder = results.REPO_ROOT / "results" / "benchmarks"
+    data = json.loads((folder / "ledger-peers.json").read_text(encoding="utf-8"))
+    assert data["schema"] == peers.REPORT_SCHEMA and data["tools"] == list(peers.TOOLS)
+    assert data["points"] == {m: [list(p) for p in shapes] for m, shapes in peers.BENCHMARK_POINTS.items()}
+    expected = [
+        (m, b, s, update)
+        for m, shapes in peers.BENCHMARK_POINTS.items()
+        for b, s in shapes
+        for update in ("first", "steady")
+    ]
+    assert [(r["model"], r["batch"], r["seq"], r["update"]) for r in data["rows"]] == expected
+    assert all(set(r["errors"]) == set(peers.TOOLS) == set(r["estimates_bytes"]) for r in data["rows"])
+    table = [
+        line
+        for line in (folder / "ledger-peers.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("| ")
+    ]
+    assert all(t in table[0] for t in peers.TOOLS) and len(table) == 1 + len(expected)
+    assert 4.5e6 < ledger.model_shape("qwen2-5m").n_params < 5.5e6  # the ~5M-parameter reference points
+
+
+def test_the_benchmark_report_is_written_beside_its_data(tmp_path, capsys):
+    from trainmech.ledger import peers
+
+    rows = peers.benchmark({"qwen2-tiny": [(1, 32)]}, out=lambda line: None)
+    md, js = peers.write_report(rows, tmp_path / "peers.md", seconds=1.0)
+    data = json.loads(js.read_text())
+    assert js.name == "peers.json" and data["points"] == {"qwen2-tiny": [[1, 32]]}
+    assert [r["errors"]["ledger"] for r in data["rows"]] == [0.0, 0.0]
+    assert md.read_text().count("| qwen2-tiny |") == 2
+    rc, out, err = _run(["--report", str(tmp_path / "x.md")], capsys)
+    assert rc == 2 and "use it with --benchmark" in err and err.count("\n") == 1
+    rc, out, err = _run(["--benchmark", "--report", str(tmp_path / "x.txt")], capsys)
+    assert rc == 2 and ".md path" in err

@@ -42,6 +42,7 @@ __all__ = [
     "phase_hooks",
     "StepMemory",
     "training_step_memory",
+    "ALLOCATOR_ONLY",
     "HistoryBlock",
     "MemoryHistory",
     "history_from_tracker",
@@ -549,6 +550,9 @@ def training_step_memory(
     )
 
 
+ALLOCATOR_ONLY = "allocator only"  # a history block no tensor state explains
+
+
 @dataclass
 class HistoryBlock:
     """One allocation in a memory history: its size, the events it lives between, what it was."""
@@ -556,9 +560,7 @@ class HistoryBlock:
     nbytes: int
     born: int  # index of its alloc event
     died: int | None  # index of its free event; None: alive at the end
-    category: (
-        str  # one of CATEGORIES, or "allocator only" (no tensor state: cuBLAS workspace, kernel scratch)
-    )
+    category: str  # one of CATEGORIES, or ALLOCATOR_ONLY (no tensor state: cuBLAS workspace, kernel scratch)
     phase: str  # the phase it was born in ("" when unknown)
     address: int = 0  # the allocator's address (CUDA history)
 
@@ -583,13 +585,32 @@ class MemoryHistory(dict):
         births = [(a.address, step.category(a), a.born_phase) for step in steps for a in step.allocations]
         k = 0
         for block in self.blocks:
-            block.category, block.phase = "allocator only", ""
+            block.category, block.phase = ALLOCATOR_ONLY, ""
             for j in range(k, min(k + 64, len(births))):  # internal allocations interleave, never reorder
                 if births[j][0] == block.address:
                     block.category, block.phase = births[j][1], births[j][2]
                     k = j + 1
                     break
         return self
+
+    def allocator_only(self) -> list[HistoryBlock]:
+        """The blocks no tracked tensor storage explains (cuBLAS workspaces, kernels' scratch buffers); only a
+        labelled allocator history can hold any: in the tracker's own history every block is a storage."""
+        return [b for b in self.blocks if b.category == ALLOCATOR_ONLY]
+
+    def describe(self) -> str:
+        """Two lines: where the history comes from and its size; then the blocks no tensor state explains."""
+        head = f"{self.source}: {len(self.blocks):,} blocks in {self.events:,} events"
+        if self.source != "cuda-allocator":
+            return head + (
+                "\nevery block here is a tracked tensor storage by construction: "
+                "the CPU history cannot show allocator-only blocks"
+            )
+        only = self.allocator_only()
+        return head + (
+            f"\n{len(only)} blocks ({sum(b.nbytes for b in only):,} bytes) no tensor state explains "
+            "(cuBLAS workspaces, kernels' scratch buffers)"
+        )
 
 
 def history_from_tracker(steps: list[StepMemory]) -> MemoryHistory:

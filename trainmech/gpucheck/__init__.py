@@ -158,7 +158,8 @@ def _driver_version() -> str | None:
 
 
 def measure_limits(device) -> dict:
-    """Bandwidth, the baseline step's phases (CUDA: the full shape; CPU: the tiny model) and the offload bound."""
+    """Bandwidth, the baseline step's phases (CUDA: the full shape; CPU: the tiny model), the offload bound
+    and (CUDA) the CUDA context's bytes."""
     import torch
 
     from trainmech import ledger, profiles, workload
@@ -181,8 +182,11 @@ def measure_limits(device) -> dict:
     phases["shape"] = f"{model_name} b{batch} s{seq} fp32"
     del model
     gc.collect()
+    context = None
     if cuda:
         torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)  # the whole device: what no allocator statistic counts
+        context = int(total - free - torch.cuda.memory_reserved(device))
     moved = _offload_bytes() if cuda else 0
     shape = ledger.model_shape(model_name)
     spf = budget.seconds_per_flop_from(phases, shape, batch, seq)
@@ -192,6 +196,9 @@ def measure_limits(device) -> dict:
         "offload_bound": limits.offload_bound(bandwidth, phases, moved, moved) if cuda else None,
         "seconds_per_flop": spf,
         "effective_tflops": 1 / spf / 1e12 if spf else None,
+        # device used − reserved after a training step, cache emptied: the CUDA context (driver, loaded kernels,
+        # cuBLAS handles) plus any other process on the device; None off CUDA. `ledger --device cuda` shows it.
+        "cuda_context_bytes": context,
     }
 
 

@@ -304,10 +304,38 @@ def check_ledger_on_device(probe: Probe) -> str:
         abs(first.error) <= 0.05 and abs(steady.error) <= 0.05,
         f"the ledger's peak is off by more than 5 %: {errors}",
     )
-    model = ledger.allocator.cuda_peaks(first.predicted, steady.predicted)
+    lifecycle = [c.lifecycle_bytes_error() for c in (first, steady)]
+    require(
+        max(lifecycle) <= 0.01
+        and (probe.cuda or not any(c.lifecycle_differences() for c in (first, steady))),
+        f"lifecycles crossing a phase: bytes off by {lifecycle[0]:.2%} / {lifecycle[1]:.2%}; "
+        f"{first.lifecycle_line()}",
+    )
+    (bf16,) = ledger.measure_point(
+        probe.model_name, probe.batch, probe.seq, run_mode=probe.mode, seed=0, dtype="bf16", steps=("first",)
+    )
+    rows = ledger.layer_saved(bf16.predicted.shape, probe.batch, probe.seq, "bf16", device=probe.device.type)
+    added = bf16.measured.saved_added_per_layer(bf16.predicted.shape.num_layers)
+    rng = [t.name.rsplit(".", 1)[-1] for t in rows if "rng" in t.name]
+    require(
+        all(x == sum(t.nbytes for t in rows) for x in added),
+        f"bf16 saved bytes per layer {added} vs the inventory's {sum(t.nbytes for t in rows):,} "
+        f"(RNG state rows: {rng or 'none'})",
+    )
+    measured = (
+        (first, steady)
+        if probe.cuda
+        else ledger.measure_point(probe.model_name, probe.batch, probe.seq, seed=0, allocator="cpu-profiler")
+    )
+    peaks = ledger.allocator_peaks(*measured)
+    model = peaks.model
     require(
         model.reserved_peak >= model.allocated_peak >= model.tensor_peak,
         f"allocator model out of order: {model}",
+    )
+    require(
+        probe.cuda or (abs(peaks.tracked_error) <= 0.01 and peaks.reserved_error is None),
+        f"the CPU allocator's peak beside the tracked tensors: {peaks.lines()}",
     )
     fields = ledger.record_fields(
         steady, [first, steady], worst_error=0.0, kernel=kernels[0], on_cuda=probe.cuda
@@ -322,12 +350,14 @@ def check_ledger_on_device(probe: Probe) -> str:
     )
     gpu = ""
     if probe.cuda:
-        m = steady.measured
         gpu = (
-            f"; allocator model allocated {model.allocated_peak / m.peak_allocated_bytes - 1:+.1%}, "
-            f"reserved {model.reserved_peak / m.peak_reserved_bytes - 1:+.1%} off the measured peaks"
+            f"; allocator model allocated {peaks.allocated_error:+.1%}, reserved {peaks.reserved_error:+.1%} "
+            f"off the measured peaks; lifecycle bytes {lifecycle[0]:.2%} / {lifecycle[1]:.2%}"
         )
-    return f"kernels {kernels[0]} / {kernels[1]} (padded) as the ledger assumes; foreach={probe.cuda}; {errors}{gpu}"
+    return (
+        f"kernels {kernels[0]} / {kernels[1]} (padded) as the ledger assumes; foreach={probe.cuda}; {errors}; "
+        f"bf16 saved per layer as the inventory (RNG state rows: {rng or 'none'}){gpu}"
+    )
 
 
 def check_offload(probe: Probe) -> str:
@@ -681,6 +711,7 @@ PACKAGE = [
         "ledger.cuda",
         (
             "ledger.inventory.attention_kernel",
+            "ledger.inventory.rng_state_saved",
             "ledger.states._state_bytes_per_tensor",
             "ledger.book.training_state_lifecycle",
             "ledger.compare.measure_point",
@@ -689,9 +720,10 @@ PACKAGE = [
             "ledger.cli.render",
         ),
         "kernel choice: fp32 grouped-query attention falls back to math on CUDA, a padded batch runs the efficient kernel "
-        "(flash on CPU); foreach AdamW temporaries and AdamW's step counters on the host on CUDA; the allocator model's peaks",
+        "(flash on CPU); flash's RNG seed and offset saved on CUDA; foreach AdamW temporaries and AdamW's step counters "
+        "on the host on CUDA; lifecycle bytes within 1 %; the allocator model's peaks beside the allocator's own",
         check_ledger_on_device,
-        6,
+        8,
     ),
     Branch(
         "offload",
@@ -786,6 +818,10 @@ NOT_BRANCHES = {
     "execution.choose_jobs": "decides how many notebooks run at once (one in the CUDA mode); nothing runs on CUDA, "
     "tests/test_runner_faults.py covers both sides on a CPU",
     "runner._provenance": "names run.json's intra-op thread count (CPU kernels pin one); nothing runs on CUDA",
+    "ledger.cli.main": "the calculator's --device is a paper choice (cuda works on any machine): it reads the CUDA "
+    "context from a gpu-check report; tests/test_task4_ledger.py runs both sides",
+    "ledger.allocator.cuda_context": "reads a gpu-check report's mode (a report of a GPU run or a CPU self-test); "
+    "nothing runs on CUDA, tests/test_task4_ledger.py reads both kinds",
 }
 
 # Notebook cells whose CUDA side only a CUDA-mode run executes (the notebook pass runs them).
@@ -802,9 +838,9 @@ NOTEBOOK_CELLS = {
     "Task3:trainer-count": "TrainingArguments(use_cpu=False): the Trainer counts num_items_in_batch on the GPU",
     "Task3:resume-check": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
     "Task4:imports-setup": "ledger.CUDA_POINTS instead of the CPU points",
-    "Task4:lifecycle-vs-measured": "lifecycle bytes within 1 % instead of byte for byte",
-    "Task4:memory-history": "the count of allocator blocks no tensor state explains (zero by construction on CPU, not printed there)",
-    "Task4:cuda-allocator-peaks": "the allocator model's allocated / reserved peaks against the GPU's own, the allocator history",
+    "Task4:lifecycle-vs-measured": "lifecycle bytes within 1 % (Comparison.lifecycle_bytes_error) instead of byte for byte",
+    "Task4:cuda-allocator-peaks": "ledger.allocator_peaks on the GPU's own counters: the allocator model's allocated peak "
+    "within 5 %, reserved beside it, the allocator history (CPU: the profiler's allocator against the tracked tensors)",
     "Task4:record-state-ledger": "the record's fields from ledger.record_fields (CUDA: the allocator's peaks)",
     "Task5:imports-setup": "3 warm-up + 21 timed updates on CUDA (1 + 3 on CPU)",
     "Task5:protocol": "gate 2 against the baseline everywhere; the bitwise claim on CPU only",
@@ -834,6 +870,11 @@ KERNEL_CHOICE_CELLS = {
         None,
     ),
     "Task4:measure-first-steady": ("per-layer saved bytes against that inventory (1 % claim)", None),
+    "Task4:bf16-layer-saved": (
+        "the five named terms against measured − formula (1e-9): the SDPA term carries the RNG seed and offset "
+        "the flash kernel saves on CUDA (ledger.rng_state_saved for the device)",
+        None,
+    ),
     "Task5:layer-saved-inventory": (
         "the layer inventory follows the ledger's kernel for the device (books['baseline'].attention)",
         None,

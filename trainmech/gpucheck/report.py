@@ -44,6 +44,11 @@ def summary_lines(report: dict) -> list[str]:
                 else ""
             ),
         ]
+        if limits.get("cuda_context_bytes") is not None:
+            lines.append(
+                f"- CUDA context (device used − reserved after the baseline step): "
+                f"{limits['cuda_context_bytes'] / 2**20:,.0f} MiB"
+            )
         if bound:
             lines.append(
                 f"- offload bound: {bound['d2h_bytes'] / 2**30:.2f} GiB each way takes {bound['d2h_s'] * 1e3:.1f} ms D2H / "

@@ -31,8 +31,10 @@ from trainmech.ledger.clock import AFTER, BEFORE, LAYER_BACKWARD_MOMENTS, State,
 from trainmech.ledger.compare import (
     CPU_POINTS,
     CUDA_POINTS,
+    AllocatorPeaks,
     Comparison,
     Measured,
+    allocator_peaks,
     measure_matrix,
     measure_point,
     measured_bytes_per_param,
@@ -49,7 +51,14 @@ from trainmech.ledger.formulas import (
     zero_bytes_per_device,
     zero_communication_volume,
 )
-from trainmech.ledger.inventory import ATTENTION, DEVICES, SavedTensor, attention_kernel, layer_saved
+from trainmech.ledger.inventory import (
+    ATTENTION,
+    DEVICES,
+    SavedTensor,
+    attention_kernel,
+    layer_saved,
+    rng_state_saved,
+)
 from trainmech.ledger.peers import benchmark
 from trainmech.ledger.recipes import FP32_BYTES, INDEX_BYTES, RECIPES, Recipe, recipe, recipe_for_dtype
 from trainmech.ledger.scenarios import Scenario, scenario_ledger, scenario_matrix
@@ -72,7 +81,9 @@ __all__ = [
     "ticks",
     "CPU_POINTS",
     "CUDA_POINTS",
+    "AllocatorPeaks",
     "Comparison",
+    "allocator_peaks",
     "measure_point",
     "record_fields",
     "measured_bytes_per_param",
@@ -87,6 +98,7 @@ __all__ = [
     "SavedTensor",
     "attention_kernel",
     "layer_saved",
+    "rng_state_saved",
     "FP32_BYTES",
     "INDEX_BYTES",
     "RECIPES",

@@ -14,13 +14,17 @@ The ledger counts tensor bytes. On a GPU three more things take memory:
    stream: 32 MiB each on Hopper (sm90), PyTorch's default CUBLAS_WORKSPACE_CONFIG there; inside
    allocated, outside every tensor state (`CUBLAS_WORKSPACE_BYTES`, a bound: one or both).
 3. The CUDA context (driver, loaded kernels): outside allocated and reserved alike; only the
-   device's own count (nvidia-smi) sees it. gpu-check measures it as used − reserved.
+   device's own count (nvidia-smi, cudaMemGetInfo) sees it. The ledger does not model it: gpu-check
+   measures it (device used − reserved, in its limits), and `cuda_context()` reads that measurement
+   back; without such a report it is unknown (None), never a guess.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from trainmech.ledger.clock import AFTER, BEFORE
 
@@ -38,6 +42,9 @@ __all__ = [
     "replay",
     "CudaPeaks",
     "cuda_peaks",
+    "GPU_CHECK_REPORT",
+    "CudaContext",
+    "cuda_context",
 ]
 
 BLOCK_ROUND = 512  # kMinBlockSize
@@ -202,3 +209,38 @@ def cuda_peaks(first_book, steady_book=None) -> CudaPeaks:
         replay(steady_book, allocator, keep_before=False)
         book = steady_book
     return CudaPeaks(book.peak_overlap().bytes, allocator.peak_allocated, allocator.peak_reserved)
+
+
+# ----------------------------------------------------------------------------- the CUDA context, as measured
+
+GPU_CHECK_REPORT = Path(__file__).resolve().parents[2] / "results" / "gpu-check" / "gpu-check.json"
+
+
+@dataclass(frozen=True)
+class CudaContext:
+    """The CUDA context's bytes and where the number comes from; both None when nothing measured it."""
+
+    nbytes: int | None = None
+    source: str | None = None
+
+
+def cuda_context(report: Path | str | None = None) -> CudaContext:
+    """The CUDA context a gpu-check report measured (its `limits.cuda_context_bytes`, from a run on a GPU),
+    with the report's path, GPU and date as the source. report: default GPU_CHECK_REPORT. No report, an
+    unreadable one, a CPU self-test or no measured value: CudaContext() (unknown)."""
+    path = Path(report) if report is not None else GPU_CHECK_REPORT
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return CudaContext()
+    measured = (data.get("limits") or {}).get("cuda_context_bytes") if isinstance(data, dict) else None
+    if data.get("mode") != "cuda" or type(measured) is not int or measured < 0:
+        return CudaContext()
+    env = data.get("environment") or {}
+    try:
+        shown = path.resolve().relative_to(GPU_CHECK_REPORT.parents[2])
+    except ValueError:
+        shown = path
+    return CudaContext(
+        measured, f"gpu-check report {shown} ({env.get('gpu') or 'GPU unnamed'}, {data.get('started_at')})"
+    )

@@ -4,6 +4,7 @@ python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512 --device cu
 python -m trainmech ledger --config path/to/config.json --batch 4 --seq 1024 --dtype autocast-bf16 --json
 python -m trainmech ledger --config qwen2.5-0.5b --batch 2 --seq 512 --device cuda --scenario
 python -m trainmech ledger --benchmark        # predicted vs measured on this machine, with accelerate and DeepSpeed
+python -m trainmech ledger --benchmark --report results/benchmarks/ledger-peers.md   # and write it (.md + .json)
 """
 
 from __future__ import annotations
@@ -26,8 +27,22 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def render(book: Ledger) -> str:
-    """The calculator's text: per-category table, the peak and the forward+backward peak, what the ledger does not count."""
+def _context_line(context: allocator.CudaContext) -> str:
+    where = "in neither allocated nor reserved"
+    if context.nbytes is None:
+        return (
+            f"  CUDA context (driver, loaded kernels): unknown (null), {where}; no gpu-check report with a "
+            "measured context (python -m trainmech gpu-check on the GPU writes one)"
+        )
+    return (
+        f"  CUDA context (driver, loaded kernels): {_mib(context.nbytes)} ({context.nbytes:,} bytes), {where}; "
+        f"measured: {context.source}"
+    )
+
+
+def render(book: Ledger, context: allocator.CudaContext | None = None) -> str:
+    """The calculator's text: per-category table, the peak and the forward+backward peak, what the ledger does not count.
+    context: the CUDA context as measured (`allocator.cuda_context()`); None: unknown."""
     peak, fwd_bwd, biggest, s = (
         book.peak_overlap(),
         book.forward_backward_peak(),
@@ -62,15 +77,15 @@ def render(book: Ledger) -> str:
             training_state_lifecycle(s.shape, s.batch, s.seq, **_options(book, first_step=True)),
             None if s.first_step else book,
         )
-        low, high = gpu.cublas_workspace_bound
+        one_workspace, both_workspaces = gpu.cublas_workspace_bound
         lines += [
             "",
             "on the GPU, beyond tensor bytes (allocator model, not yet measured):",
             f"  allocated peak {gpu.allocated_peak:,} bytes (blocks rounded to 512 B; a block that is not split is counted whole)",
             f"  reserved peak  {gpu.reserved_peak:,} bytes (the caching allocator's segments; reserved − allocated "
             f"{_mib(gpu.reserved_peak - gpu.allocated_peak)})",
-            f"  cuBLAS/cuBLASLt workspaces: {_mib(low)} to {_mib(high)} more in allocated (sm90 defaults)",
-            "  CUDA context (driver, kernels): in neither allocated nor reserved; gpu-check measures it",
+            f"  cuBLAS/cuBLASLt workspaces: {_mib(one_workspace)} to {_mib(both_workspaces)} more in allocated (sm90 defaults)",
+            _context_line(context or allocator.CudaContext()),
         ]
     lines.append(
         "not counted: the input batch, kernel-internal scratch that never becomes a tensor, communication buffers"
@@ -157,12 +172,23 @@ def build_parser():
         help="the scenario matrix: baseline / checkpoint / offload × first / steady update",
     )
     parser.add_argument(
+        "--gpu-check",
+        metavar="REPORT",
+        help="the gpu-check report whose measured CUDA context to show (default results/gpu-check/gpu-check.json)",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print one JSON object (peak_bytes, by_category, …)"
     )
     parser.add_argument(
         "--benchmark",
         action="store_true",
         help="measure the CPU points here: the ledger, accelerate and DeepSpeed vs measured",
+    )
+    parser.add_argument(
+        "--report",
+        metavar="PATH.md",
+        help="with --benchmark: also write the table to PATH.md and its data to PATH.json "
+        "(e.g. results/benchmarks/ledger-peers.md)",
     )
     return parser
 
@@ -171,10 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     """The calculator; a bad input gets one line on stderr and exit status 2."""
     args = build_parser().parse_args(argv)
     try:
+        if args.report and not args.benchmark:
+            raise TrainmechError("--report writes the benchmark's table: use it with --benchmark")
+        if args.report and not args.report.endswith(".md"):
+            raise TrainmechError(f"--report takes a .md path (its .json lands beside it), got {args.report}")
         if args.benchmark:
-            from trainmech.ledger.peers import benchmark
+            from trainmech.ledger.peers import timed_benchmark, write_report
 
-            benchmark()
+            rows, seconds = timed_benchmark()
+            if args.report:
+                for path in write_report(rows, args.report, seconds=seconds):
+                    print(f"wrote {path}")
             return 0
         missing = [f"--{k}" for k in ("config", "batch", "seq") if getattr(args, k) is None]
         if missing:
@@ -226,7 +259,16 @@ def main(argv: list[str] | None = None) -> int:
             micro_batches=args.micro_batches,
             **options,
         )
-        print(json.dumps(book.to_json(), indent=2) if args.json else render(book))
+        on_gpu = book.setup.device == "cuda"  # a CUDA context exists only there
+        context = allocator.cuda_context(args.gpu_check) if on_gpu else allocator.CudaContext()
+        if args.json:
+            answer = book.to_json() | {
+                "cuda_context_bytes": context.nbytes,
+                "cuda_context_source": context.source,
+            }
+            print(json.dumps(answer, indent=2))
+        else:
+            print(render(book, context))
         return 0
     except TrainmechError as e:
         print(f"trainmech: error: {' '.join(str(e).split())}", file=sys.stderr)

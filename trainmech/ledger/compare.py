@@ -1,6 +1,7 @@
 """The ledger beside a measurement: build the model, run tracked steps, pair each with its prediction.
 
     first, steady = measure_point("qwen2-small", 2, 128)     # a Comparison each: predicted, measured, error
+    allocator_peaks(first, steady)                           # the allocator model beside an allocator's own peaks
     benchmark()                                              # every CPU point, with the peers' estimates beside
     measure_matrix(model, batch, initial, strategies=…, optimizers=…)   # the scenario matrix's cells, measured
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from trainmech.display import progress
 from trainmech.errors import TrainmechError
+from trainmech.ledger import allocator as allocator_model
 from trainmech.ledger.book import Ledger, training_state_lifecycle
 from trainmech.ledger.recipes import recipe
 from trainmech.ledger.shape import model_shape
@@ -27,6 +29,8 @@ __all__ = [
     "Comparison",
     "padded_batch",
     "measure_point",
+    "AllocatorPeaks",
+    "allocator_peaks",
     "record_fields",
     "measured_bytes_per_param",
     "UPDATE_TICKS",
@@ -84,11 +88,15 @@ class Comparison:
         """The measured peak before the update (baseline included): forward, loss and backward events."""
         return self.measured.forward_backward_peak()
 
+    def measured_crossing_lifecycles(self) -> dict[tuple, int]:
+        """(category, born phase, released phase) -> bytes of the measured storages that cross a phase boundary."""
+        return {k: v for k, v in self.measured.lifecycles().items() if k[1] != k[2]}
+
     def lifecycle_differences(self) -> dict[tuple, tuple[int, int]]:
         """(category, created phase, released phase) -> (ledger bytes, measured bytes) where they differ,
         over the states that cross a phase boundary."""
         ours = self.predicted.crossing_lifecycles()
-        theirs = {k: v for k, v in self.measured.lifecycles().items() if k[1] != k[2]}
+        theirs = self.measured_crossing_lifecycles()
         return {
             k: (ours.get(k, 0), theirs.get(k, 0))
             for k in ours.keys() | theirs.keys()
@@ -96,10 +104,19 @@ class Comparison:
         }
 
     def lifecycle_bytes_error(self) -> float:
-        """|ledger − measured| / measured of the bytes of every state that crosses a phase boundary."""
+        """|ledger − measured| / measured of the bytes of every state that crosses a phase boundary: what
+        a CUDA run is held to, where kernels keep a few bytes of their own (padded rows, host-side RNG state)."""
         ours = sum(self.predicted.crossing_lifecycles().values())
-        theirs = sum(v for k, v in self.measured.lifecycles().items() if k[1] != k[2])
+        theirs = sum(self.measured_crossing_lifecycles().values())
         return abs(ours - theirs) / theirs
+
+    def lifecycle_line(self) -> str:
+        """One line: the measured crossing groups and their bytes, and where the ledger differs."""
+        theirs = self.measured_crossing_lifecycles()
+        return (
+            f"{self.step:<7} update: {len(theirs)} measured lifecycle groups, {sum(theirs.values()):,} bytes; "
+            f"differences: {self.lifecycle_differences() or 'none'}"
+        )
 
 
 def padded_batch(batch: int, seq: int) -> dict:
@@ -136,6 +153,7 @@ def measure_point(
     padded: bool = False,
     micro_batches: int = 1,
     set_to_none: bool = True,
+    allocator: str | None = None,
 ) -> list[Comparison]:
     """Build the profile's model, run tracked steps (the first, then a steady one) and pair each with its prediction.
 
@@ -146,6 +164,8 @@ def measure_point(
     transformers' gradient checkpointing. padded: rows of different lengths, hence an attention mask.
     micro_batches: each step accumulates that many micro-batches; the comparisons are its first and last.
     set_to_none=False: zero_grad keeps the gradients as zeros. steps=("first",) stops after the first step.
+    allocator: whose peaks come along (trainmech.measure.training_step_memory): CUDA's by default on a GPU,
+    "cpu-profiler" for the CPU allocator's, with which a CPU runs the bookkeeping a GPU run relies on.
     """
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -200,6 +220,7 @@ def measure_point(
                         update=k == micro_batches,
                         set_to_none=set_to_none,
                         autocast=autocast,
+                        allocator=allocator,
                     )
                 if k in (1, micro_batches):
                     predicted = training_state_lifecycle(
@@ -323,17 +344,92 @@ def _allocator_probe(model, optimizer, batch: dict, context) -> tuple[int, int, 
     return forward_backward, whole["peak_allocated_bytes"], whole["peak_reserved_bytes"]
 
 
+@dataclass(frozen=True)
+class AllocatorPeaks:
+    """One step's peaks as an allocator counted them, beside the tracked tensors and the allocator model.
+
+    source: "cuda" (torch.cuda's statistics) or "cpu-profiler" (the CPU allocator under torch.profiler).
+    measured_allocated: the allocator's peak over the step minus what was on the device besides the
+    baseline (`StepMemory.step_peak_allocated_bytes`); measured_reserved: the CUDA allocator's reserved
+    peak (None: the CPU allocator reserves nothing it reports). model: the CUDA caching allocator's
+    model (`ledger.allocator.cuda_peaks`) replaying the first update and then this one.
+    """
+
+    source: str
+    tracked_bytes: int
+    measured_allocated: int
+    measured_reserved: int | None
+    model: Any  # trainmech.ledger.allocator.CudaPeaks
+
+    @property
+    def tracked_error(self) -> float:
+        """(allocator − tracked) / tracked: what the allocator holds beyond tensor storages (rounding, scratch)."""
+        return self.measured_allocated / self.tracked_bytes - 1
+
+    @property
+    def allocated_error(self) -> float:
+        """(model − measured) / measured of the allocated peak."""
+        return self.model.allocated_peak / self.measured_allocated - 1
+
+    @property
+    def reserved_error(self) -> float | None:
+        """(model − measured) / measured of the reserved peak; None where the allocator reports none."""
+        if self.measured_reserved is None:
+            return None
+        return self.model.reserved_peak / self.measured_reserved - 1
+
+    def lines(self) -> list[str]:
+        """The allocated peak beside the tracked tensors; on CUDA the allocator model's two peaks beside it."""
+        out = [
+            f"allocated peak of the update ({self.source}): measured {self.measured_allocated:,}   "
+            f"tracked tensors {self.tracked_bytes:,} ({self.tracked_error:+.2%})"
+        ]
+        if self.measured_reserved is None:
+            return out + [
+                "reserved peak: unknown (this allocator reports none); the allocator model predicts CUDA's "
+                "caching allocator, which does not run here"
+            ]
+        return out + [
+            f"allocator model: allocated {self.model.allocated_peak:,} ({self.allocated_error:+.1%}), reserved "
+            f"{self.model.reserved_peak:,} ({self.reserved_error:+.1%} of the measured {self.measured_reserved:,}, "
+            "whole process)"
+        ]
+
+
+def allocator_peaks(first: Comparison, steady: Comparison) -> AllocatorPeaks:
+    """The steady update's allocator peaks (measured with an allocator: CUDA's, or allocator="cpu-profiler"),
+    beside its tracked tensor peak and the allocator model's replay of the first update and then this one."""
+    got = steady.measured
+    if got.step_peak_allocated_bytes is None:
+        raise TrainmechError(
+            "this step was measured without an allocator: measure_point(..., allocator='cpu-profiler') on a CPU, "
+            "or on CUDA, where the caching allocator is counted by default"
+        )
+    return AllocatorPeaks(
+        "cpu-profiler" if got.peak_reserved_bytes is None else "cuda",
+        got.peak_bytes,
+        got.step_peak_allocated_bytes,
+        got.peak_reserved_bytes,
+        allocator_model.cuda_peaks(first.predicted, steady.predicted),
+    )
+
+
 def record_fields(
     point: Comparison, points: list[Comparison], *, worst_error: float, kernel: str, on_cuda: bool
 ) -> dict:
     """The `resources` and `metrics` of a TRAIN-STATE-LEDGER record: one point predicted against measured,
     beside every point of the run (`model/bBsS/step` -> bytes and error). CPU: the CUDA allocator's
-    fields are null and the peak is the tracked tensor storages'."""
+    fields are null and the peak is the tracked tensor storages'. On CUDA the point must carry the
+    allocator's peaks (refused otherwise: a CUDA record with a null peak would say nothing)."""
 
     def key(c: Comparison) -> str:
         return f"{c.model}/b{c.batch}s{c.seq}/{c.step}"
 
     peak, measured = point.predicted.peak_overlap(), point.measured
+    if on_cuda and measured.peak_allocated_bytes is None:
+        raise TrainmechError(
+            "a CUDA record needs the allocator's peaks: this point was measured without them"
+        )
     return {
         "resources": {
             "peak_allocated_bytes": measured.peak_allocated_bytes if on_cuda else None,

@@ -23,6 +23,8 @@ __all__ = [
     "attention_kernel",
     "norm_saved",
     "attention_saved",
+    "RNG_STATE_BYTES",
+    "rng_state_saved",
     "layer_saved",
 ]
 
@@ -97,8 +99,27 @@ def norm_saved(
     return rows + ([SavedTensor(f"{prefix}.out", (b, s, h), out_bytes, consumed_at)] if keeps_output else [])
 
 
+# SDPA's philox seed and offset on CUDA, as torch/_meta_registrations.py gives them (non-ROCm): the
+# flash kernel returns a (2,) uint64 seed and a () uint64 offset on the device; the memory-efficient
+# kernel a () int64 seed and a () int64 offset on the host (no dropout, no graph capture), which no
+# device byte holds. Their autograd nodes keep both for the backward, dropout or not.
+RNG_STATE_BYTES = 8  # uint64 / int64
+
+
+def rng_state_saved(kernel: str, device: str) -> list[SavedTensor]:
+    """The RNG state one SDPA call keeps on the device for its backward: flash on CUDA only (the CPU
+    kernels return none; the efficient kernel's pair lives on the host, the math kernel has none
+    without dropout)."""
+    if device != "cuda" or kernel != "flash":
+        return []
+    return [
+        SavedTensor("self_attn.sdpa_rng_seed", (2,), RNG_STATE_BYTES, "attention"),
+        SavedTensor("self_attn.sdpa_rng_offset", (), RNG_STATE_BYTES, "attention"),
+    ]
+
+
 def attention_saved(
-    shape: ModelShape, b: int, s: int, element_bytes: int, kernel: str, padded: bool
+    shape: ModelShape, b: int, s: int, element_bytes: int, kernel: str, padded: bool, device: str = "cpu"
 ) -> list[SavedTensor]:
     """What SDPA keeps (and, with a mask, transformers' repeated K and V).
 
@@ -108,7 +129,8 @@ def attention_saved(
     efficient kernel pads its last dimension to a multiple of 16). math: q and kᵀ scaled and repeated
     to every head, v repeated, the s×s softmax probabilities, and the output copy o_proj reads; its v
     and output copy are consumed (o_proj's and probs @ v's backward) before its softmax backward, the
-    `attention` moment, so they are released at the layer's `mlp` moment.
+    `attention` moment, so they are released at the layer's `mlp` moment. On CUDA the flash kernel
+    also keeps its RNG seed and offset (`rng_state_saved`).
     """
     heads, kv_heads, d, act = shape.num_heads, shape.num_kv_heads, shape.head_dim, element_bytes
     if kernel == "math":
@@ -139,8 +161,9 @@ def attention_saved(
         )  # bool mask -> additive bias
     return out + [
         SavedTensor("self_attn.sdpa_out", (b, s, heads * d), act, "attention"),  # also o_proj's input
-        SavedTensor("self_attn.sdpa_logsumexp", (b, heads, rows), FP32_BYTES, "attention"),
-    ]  # instead of s×s
+        SavedTensor("self_attn.sdpa_logsumexp", (b, heads, rows), FP32_BYTES, "attention"),  # instead of s×s
+        *rng_state_saved(kernel, device),
+    ]
 
 
 def _autocast_copies(shape: ModelShape, b: int, s: int, act: int) -> list[SavedTensor]:
@@ -194,7 +217,7 @@ def layer_saved(
         )
     b, s, h, inner, act = batch, seq, shape.hidden_size, shape.intermediate_size, dtypes.activation_bytes
     if dtypes.autocast:  # the residual stream and the norms stay fp32; matmuls read 16-bit copies
-        attention = attention_saved(shape, b, s, act, kernel, padded)
+        attention = attention_saved(shape, b, s, act, kernel, padded, device)
         copies = _autocast_copies(shape, b, s, act)
         return [
             *norm_saved(
@@ -215,7 +238,7 @@ def layer_saved(
     sixteen = dtypes.sixteen_bit
     return [
         *norm_saved("input_layernorm", b, s, h, act, "input_layernorm", own_input=sixteen),
-        *attention_saved(shape, b, s, act, kernel, padded),
+        *attention_saved(shape, b, s, act, kernel, padded, device),
         *norm_saved(
             "post_attention_layernorm", b, s, h, act, "mlp", own_input=True
         ),  # fp32: the residual x + attn

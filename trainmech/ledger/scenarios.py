@@ -11,6 +11,7 @@ re-derived) and put the cases side by side:
     render_matrix(rows)       one line per strategy: both peaks of the first and the steady update (Task4)
     render_rows(rows, …)      one line per scenario, optionally beside its measurement (Task5)
     variants(config, b, s)    the update's own options on the steady whole-update peak
+    precision_changes(config, b, s, dtype=…)   every peak the ledger predicts, one recipe against fp32
 
 Measuring the same cells (`measure_matrix`, `measured_peaks`) lives beside the other measurements in
 `trainmech.ledger.compare`.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from trainmech.errors import TrainmechError
+from trainmech.ledger import allocator
 from trainmech.ledger.book import Ledger, Peak, training_state_lifecycle
 from trainmech.ledger.recipes import recipe
 from trainmech.ledger.shape import model_shape
@@ -43,6 +45,8 @@ __all__ = [
     "render_rows",
     "window_peak",
     "variants",
+    "PRECISION_PEAKS",
+    "precision_changes",
     "render_measured",
 ]
 
@@ -293,6 +297,46 @@ def variants(config, batch: int, seq: int, *, micro_batches: int = 2, **options)
             config, batch // micro_batches, seq, micro_batches, **options
         )
     return out
+
+
+PRECISION_PEAKS = (
+    "first update, forward+backward (tensors)",
+    "first update, whole update (tensors)",
+    "steady update, forward+backward (tensors)",
+    "steady update, whole update (tensors)",
+    "a run of updates, whole update (tensors)",
+    "a run of updates, allocated (allocator model)",
+    "a run of updates, reserved (allocator model)",
+)
+
+
+def _precision_peaks(config, batch: int, seq: int, dtype: str, options: dict) -> dict[str, int]:
+    first = training_state_lifecycle(config, batch, seq, dtype=dtype, first_step=True, **options)
+    steady = training_state_lifecycle(config, batch, seq, dtype=dtype, **options)
+    replayed = allocator.cuda_peaks(
+        first, steady
+    )  # the caching allocator over a first update, then a steady one
+    values = (
+        first.forward_backward_peak().bytes,
+        first.peak_overlap().bytes,
+        steady.forward_backward_peak().bytes,
+        steady.peak_overlap().bytes,
+        max(first.peak_overlap().bytes, steady.peak_overlap().bytes),
+        replayed.allocated_peak,
+        replayed.reserved_peak,
+    )
+    return dict(zip(PRECISION_PEAKS, values))
+
+
+def precision_changes(
+    config, batch: int, seq: int, *, dtype: str, reference: str = "fp32", **options
+) -> dict[str, float]:
+    """(dtype − reference) / reference of every peak the ledger predicts for this workload (PRECISION_PEAKS):
+    the forward+backward and whole-update tensor peaks of the first and of a steady update, the most over a
+    run of updates, and the allocator model's allocated and reserved peaks over a first and a steady update
+    (CUDA's caching allocator; reserved is the process's, cumulative). options: as training_state_lifecycle."""
+    ours, theirs = (_precision_peaks(config, batch, seq, d, options) for d in (dtype, reference))
+    return {name: ours[name] / theirs[name] - 1 for name in PRECISION_PEAKS}
 
 
 def render_measured(points: dict[str, tuple]) -> tuple[str, float]:

@@ -137,7 +137,7 @@ def _shards(shape) -> list[ParamShard]:
         shape.num_kv_heads * shape.head_dim,
         shape.intermediate_size,
     )
-    rows = {
+    rows_of_projection = {
         "q_proj": q,
         "k_proj": kv,
         "v_proj": kv,
@@ -149,10 +149,10 @@ def _shards(shape) -> list[ParamShard]:
     for name, numel in shape.parameter_tensors():
         module = name.rsplit(".", 2)[-2]
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            r = shape.vocab_size
+            dim0_rows = shape.vocab_size
         else:
-            r = rows.get(module, numel)  # norms and biases: one row per element
-        out.append(ParamShard(name, numel, r))
+            dim0_rows = rows_of_projection.get(module, numel)  # norms and biases: one row per element
+        out.append(ParamShard(name, numel, dim0_rows))
     return out
 
 
@@ -160,9 +160,9 @@ def zero_partition(numels: list[int], n: int) -> list[list[int]]:
     """ZeroRedundancyOptimizer's assignment: tensor indices per rank, largest first to the least-loaded rank."""
     loads, ranks = [0] * n, [[] for _ in range(n)]
     for k in sorted(range(len(numels)), key=lambda k: numels[k], reverse=True):  # a stable sort, as torch's
-        r = loads.index(min(loads))
-        ranks[r].append(k)
-        loads[r] += numels[k]
+        lightest = loads.index(min(loads))
+        ranks[lightest].append(k)
+        loads[lightest] += numels[k]
     return ranks
 
 
