@@ -130,28 +130,57 @@ def test_count_calls_ignores_evaluation_forwards(model, batch):
     assert calls[0] == 1
 
 
-def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch, baseline):
+def _selective_counts(model, batch):
+    """(full, selective) RecomputeCount of one step, and the ops a plain grad-enabled forward dispatched."""
     full, selective = C.RecomputeCount(), C.RecomputeCount()
     with C.checkpoint_layers(model.model.layers, context_fn=C.counting_context(full)):
         step(model, batch)
     with C.checkpoint_layers(model.model.layers, context_fn=C.counting_context(selective, C.save_matmuls)):
         got = step(model, batch)
-    with torch.no_grad(), C.dispatched_ops(model.model.layers) as dispatched:
+    with C.dispatched_ops(
+        model.model.layers
+    ) as dispatched:  # grad enabled: SDPA's choice looks at requires_grad
         model(**batch)
+    model.zero_grad(set_to_none=True)
+    return full, selective, dispatched, got
+
+
+def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch, baseline):
+    full, selective, dispatched, got = _selective_counts(model, batch)
+    kernel = ledger.attention_kernel(ledger.model_shape(model.config), "fp32", "cpu")
     assert_bitwise(got, baseline)
     assert selective.forward_ops == full.forward_ops
-    assert (
-        selective.saved_ops == sum(dispatched.values()) == 8 * LAYERS
-    )  # CPU: q, k, v, o, one fused SDPA, gate, up, down
+    # by name: q, k, v (addmm, with a bias), o, gate, up, down (mm) and one fused SDPA op per layer
+    assert dispatched == C.expected_matmul_ops(model.model.layers, kernel, "cpu")
+    assert dispatched == {
+        "addmm.default": 3 * LAYERS,
+        "mm.default": 4 * LAYERS,
+        "_scaled_dot_product_flash_attention_for_cpu.default": LAYERS,
+    }
+    assert selective.saved_ops == sum(dispatched.values())
     assert not {op.__name__ for op in C.MATMUL_OPS} & set(selective.recomputed_by_op)
     assert {"mm.default", "addmm.default"} & set(full.recomputed_by_op)
     assert 0 < selective.recomputed_ops < full.recomputed_ops
 
 
+def test_selective_checkpoint_with_the_kernel_the_ledger_picks_for_cuda(model, batch, baseline):
+    """CUDA's choice for fp32 grouped-query attention (math: two bmm per layer), forced on the CPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernel = ledger.attention_kernel(ledger.model_shape(model.config), "fp32", "cuda")
+    with sdpa_kernel(SDPBackend.MATH):
+        _, selective, dispatched, _ = _selective_counts(model, batch)
+    expected = C.expected_matmul_ops(model.model.layers, kernel, "cuda")
+    assert kernel == "math" and expected["bmm.default"] == 2 * LAYERS
+    assert dispatched == expected and selective.saved_ops == sum(expected.values()) == 9 * LAYERS
+    with pytest.raises(ValueError, match="no attention ops known"):
+        C.expected_matmul_ops(model.model.layers, "flash", "mps")
+
+
 def test_dispatched_ops_follow_the_attention_kernel(model, batch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), C.dispatched_ops(model.model.layers) as dispatched:
+    with sdpa_kernel(SDPBackend.MATH), C.dispatched_ops(model.model.layers) as dispatched:
         model(**batch)
     assert dispatched["bmm.default"] == 2 * LAYERS  # the math kernel: scores and the weighted sum
     assert not any("scaled_dot_product" in name for name in dispatched)

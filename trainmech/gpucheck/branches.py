@@ -267,9 +267,10 @@ class _SdpaOps(TorchDispatchMode):
 
 
 def dispatched_attention_kernel(model: torch.nn.Module, batch: dict) -> str:
-    """flash / efficient / cudnn / math: the SDPA kernel one forward of the model actually ran."""
+    """flash / efficient / cudnn / math: the SDPA kernel one training forward of the model actually ran (grad
+    enabled, as in training: SDPA's choice of kernel looks at requires_grad; the graph is dropped after)."""
     ops = _SdpaOps()
-    with torch.no_grad(), ops:
+    with ops:
         model(**batch, use_cache=False)
     for kernel in ("flash", "efficient", "cudnn"):
         if any(n.startswith(f"_scaled_dot_product_{kernel}_attention") for n in ops.names):
