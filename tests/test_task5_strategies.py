@@ -528,6 +528,26 @@ def test_cuda_copy_path_on_host_streams_is_bitwise_and_waits_before_every_drop_a
         assert len(waits) == 1 and uses and waits[0] < uses[0]  # waited once, before the first use
 
 
+def test_host_streams_out_of_order_names_a_release_before_its_wait(model, batch):
+    streams = HostStreams()
+    offload = ActivationOffload.for_model(
+        model, min_bytes=HIDDEN // 2, arena=HostArena(pinned=False), streams=streams
+    )
+    offload_step(model, batch, offload)
+    offload.finish()
+    assert streams.out_of_order() == []
+    _, end, _ = _copies(streams.log, "d2h")[0]
+    (waited,), (dropped,) = (
+        _at(streams.log, ("wait_event", "compute", end)),
+        _at(streams.log, ("note", "drop-source", 0)),
+    )
+    streams.log[waited], streams.log[dropped] = (
+        streams.log[dropped],
+        streams.log[waited],
+    )  # let go first, then wait
+    assert streams.out_of_order() == ["entry 0: source let go or fetched before its D2H was waited for"]
+
+
 def test_cuda_copy_path_read_times_adds_up_the_events(model, batch):
     streams = HostStreams()
     offload = ActivationOffload.for_model(

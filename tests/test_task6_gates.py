@@ -245,6 +245,35 @@ def test_without_the_bug_no_gate_fires(gw, reference, fixed):
     assert report.record_fields()["conclusion"]["decision"] is None
 
 
+@pytest.mark.parametrize("cand", [CHECKPOINT, OFFLOAD], ids=lambda c: c.name)
+def test_the_performance_stage_with_the_cpu_allocator_forced_runs_the_allocator_bookkeeping(
+    gw, reference, cand
+):
+    """`_peaks` / `_end_of_forward` read the allocator through measure.allocator_window, as on CUDA: here the CPU
+    allocator (the profiler's count) stands in, and its peaks agree with the tracked tensor bytes."""
+    forced, forced_ref = tracing.remeasure(
+        cand, reference.candidate, gw, warmup=1, repeats=1, allocator="cpu-profiler"
+    )
+    plain, _ = tracing.remeasure(cand, reference.candidate, gw, warmup=1, repeats=1)
+    for p in (forced, forced_ref):
+        assert abs(p.peak_allocated_bytes / p.tracked_peak_bytes - 1) <= 0.02
+        assert abs(p.forward_backward_allocated_bytes / p.tracked_forward_backward_bytes - 1) <= 0.02
+        assert p.forward_backward_allocated_bytes <= p.peak_allocated_bytes
+        # the CPU allocator reserves nothing beside what it hands out, and there is no CUDA context
+        assert (p.peak_reserved_bytes, p.forward_backward_reserved_bytes, p.cuda_context_bytes) == (
+            None,
+            None,
+            None,
+        )
+        assert not p.on_gpu
+    assert forced.bytes_per_row < forced_ref.bytes_per_row  # the strategy keeps less per sequence
+    if cand is CHECKPOINT:  # the allocator's slope is the tracked one
+        assert abs(forced.bytes_per_row / plain.bytes_per_row - 1) <= 0.05
+    else:  # host and device are one memory here: the CPU allocator also counts the offload's host arena growing
+        assert forced.bytes_per_row > plain.bytes_per_row
+    assert all(getattr(plain, k) is None for k in tracing.ALLOCATOR_FIELDS)  # not forced: unknown on a CPU
+
+
 @pytest.mark.parametrize("fixed", [CLAMP, COUNTED_OUT], ids=lambda c: c.name)
 def test_the_fixed_variants_pass_the_gates_without_a_measurement(gw, reference, fixed):
     report = gates.judge(fixed, gw, reference, measure=False)

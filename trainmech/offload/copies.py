@@ -221,6 +221,34 @@ class HostStreams:
     def seconds(self, start: HostEvent, end: HostEvent) -> float:
         return end.t - start.t
 
+    def out_of_order(self, start: int = 0, stop: int | None = None) -> list[str]:
+        """What the log's calls start:stop (one step's: entries are numbered per step) show done out of
+        order ([] when every rule held): a D2H source let go before the compute stream waited for its copy, an H2D
+        copy queued before that wait, an H2D copy waited for other than once or used before the wait, a copy not
+        preceded by its side stream waiting for the compute stream."""
+        log, problems = self.log[start:stop], []
+        at = lambda item: [i for i, c in enumerate(log) if c == item]  # noqa: E731
+        copies = {(c[1], c[4]): (c[3], i) for i, c in enumerate(log) if c[0] == "copy"}
+        for (stream, entry), (end, i) in copies.items():
+            if log[i - 3] != ("wait_stream", stream, "compute"):
+                problems.append(f"{stream} copy of entry {entry} not queued behind the compute stream")
+            waits = at(("wait_event", "compute", end))
+            if len(waits) != 1:
+                problems.append(f"{stream} copy of entry {entry} waited for {len(waits)} times")
+                continue
+            if stream == "d2h":
+                dropped = at(("note", "drop-source", entry))
+                fetched = copies.get(("h2d", entry), (None, len(log)))[1]
+                if not dropped or dropped[0] < waits[0] or fetched < waits[0]:
+                    problems.append(f"entry {entry}: source let go or fetched before its D2H was waited for")
+            else:
+                uses = at(("note", "use", entry)) or at(("note", "drop-fetched", entry))
+                if not uses or uses[0] < waits[0]:
+                    problems.append(
+                        f"entry {entry}: fetched copy used or let go before its H2D was waited for"
+                    )
+        return problems
+
 
 class HostCopies:
     """The CPU path: the same steps as on CUDA, with plain synchronous copies and no times."""
