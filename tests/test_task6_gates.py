@@ -143,6 +143,9 @@ def raise_adam_eps(state):
 
 
 FP16 = candidates.candidate("fp16", "TRAIN-AMP-BACKWARD", dtype="float16")
+FP32 = candidates.candidate(
+    "fp32", "TRAIN-AMP-BACKWARD"
+)  # the default update: zero_grad, the finiteness guard
 CHECKPOINT = candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing)
 OFFLOAD = candidates.candidate("offload", "TRAIN-OFFLOAD", offload)
 CLAMP = candidates.candidate(
@@ -192,7 +195,7 @@ PLANTED = {  # bug -> (the candidate with it, the gate that must stop it, the ca
     "no-zero-grad": (
         candidates.candidate("b7", "TRAIN-AMP-BACKWARD", update=update_without_zero_grad),
         "gradients",
-        CHECKPOINT,
+        FP32,
     ),
     "faster-skips-work": (
         candidates.Candidate("b8", "TRAIN-CHECKPOINT", backward=first_micro_batch_only),
@@ -202,7 +205,7 @@ PLANTED = {  # bug -> (the candidate with it, the gate that must stop it, the ca
     "no-finiteness-guard": (
         candidates.candidate("b9", "TRAIN-AMP-BACKWARD", update=step_without_guard),
         "updates",
-        FP16,
+        FP32,
     ),
     "recipe-change": (
         candidates.candidate("b10", "TRAIN-AMP-BACKWARD", dtype="float16", update=raise_adam_eps),
@@ -274,7 +277,16 @@ def test_the_performance_stage_with_the_cpu_allocator_forced_runs_the_allocator_
     assert all(getattr(plain, k) is None for k in tracing.ALLOCATOR_FIELDS)  # not forced: unknown on a CPU
 
 
-@pytest.mark.parametrize("fixed", [CLAMP, COUNTED_OUT], ids=lambda c: c.name)
+def test_every_planted_bug_has_its_true_twin_and_every_twin_is_judged():
+    """The twin claims what the buggy candidate claims (dtype, experiment) and is among the fixed candidates
+    the tests below run through the gates."""
+    judged = {c.name for c in (FP16, CHECKPOINT, OFFLOAD, CLAMP, COUNTED_OUT, FP32)}
+    for bug, (buggy, _, fixed) in PLANTED.items():
+        assert (buggy.dtype, buggy.semantic_id) == (fixed.dtype, fixed.semantic_id), bug
+        assert fixed.name in judged, bug
+
+
+@pytest.mark.parametrize("fixed", [CLAMP, COUNTED_OUT, FP32], ids=lambda c: c.name)
 def test_the_fixed_variants_pass_the_gates_without_a_measurement(gw, reference, fixed):
     report = gates.judge(fixed, gw, reference, measure=False)
     assert [v.passed for v in report.verdicts] == [True] * 4 and report.performance is None
