@@ -936,8 +936,9 @@ KERNEL_CHOICE_CELLS = {
         None,
     ),
     "Task5:selective": (
-        "the selective checkpoint's saved outputs against the matmul and attention ops a plain forward dispatched "
-        "(one fused SDPA op on CPU, two bmm with CUDA's math kernel)",
+        "the matmul and attention ops a grad-enabled forward dispatched against checkpointing.expected_matmul_ops "
+        "(7 projections per layer and the attention of ledger.attention_kernel's choice: one fused SDPA op on CPU, "
+        "two bmm with CUDA's math kernel), and the selective checkpoint's saved outputs against them",
         None,
     ),
 }
