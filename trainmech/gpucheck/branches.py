@@ -587,6 +587,7 @@ def check_scenarios(probe: Probe) -> str:
 
 def check_strategy_records(probe: Probe) -> str:
     from trainmech import candidates, gates, strategy_records, tracing
+    from trainmech.ledger.compare import MEASURED_PEAK_WITH
 
     model = probe.model()
     batch = probe.lm_batch()
@@ -623,15 +624,31 @@ def check_strategy_records(probe: Probe) -> str:
         model=probe.model_name,
         min_bytes=None,
     )
-    on_gpu = fields["metrics"]["cpu_tracked_peak_bytes"] is None
-    require(
-        on_gpu == probe.cuda and (fields["resources"]["peak_reserved_bytes"] is not None) == probe.cuda,
-        f"record fields on {probe.device.type}: {fields['resources']}",
+    metrics = ledger_record["metrics"]
+    measured = ledger.Comparison(
+        probe.model_name, probe.batch, probe.seq, "steady", books["checkpoint"], steps[1]
     )
     require(
-        (ledger_record["resources"]["peak_allocated_bytes"] is not None) == probe.cuda,
-        f"ledger record: {ledger_record['resources']}",
+        metrics["measured_with"] == MEASURED_PEAK_WITH["cuda" if probe.cuda else "cpu"]
+        and (metrics["measured_peak_bytes"], metrics["measured_forward_backward_peak_bytes"])
+        == (measured.measured_peak, measured.measured_forward_backward_peak),
+        f"the state-ledger record's measured fields are not Task4's: {metrics['measured_with']!r}, "
+        f"{metrics['measured_peak_bytes']}, {metrics['measured_forward_backward_peak_bytes']}",
     )
+    tracked = fields["metrics"]["cpu_tracked_peak_bytes"]
+    if probe.cuda:
+        require(
+            tracked is None
+            and fields["resources"]["peak_reserved_bytes"] is not None
+            and ledger_record["resources"]["peak_allocated_bytes"] is not None,
+            f"record fields on CUDA: {fields['resources']}, ledger record {ledger_record['resources']}",
+        )
+    else:
+        base_tracked = fields["metrics"]["baseline_cpu_tracked_peak_bytes"]
+        require(
+            tracked == run.performance.tracked_peak_bytes and 0 < tracked < base_tracked,
+            f"the record's tracked peak {tracked} (measured {run.performance.tracked_peak_bytes}), baseline {base_tracked}",
+        )
     return (
         f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}"
         + (
