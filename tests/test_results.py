@@ -554,6 +554,22 @@ def test_registry_rows_for_the_gates_and_the_memory_strategy_interface():
     )  # unknown ids after the registry's own
 
 
+def test_registry_keeps_wrong_apart_from_not_worth_it():
+    """No gain is filed as decision reject, as a failed gate is: the registry shows each record's outcome beside it."""
+    no_gain = gate_record("TRAIN-CHECKPOINT", "b4s256_gates.checkpoint", "gpu-measured", "reject")
+    no_gain.metrics["outcome"] = "no-gain"
+    wrong = gate_record(
+        "TRAIN-OFFLOAD", "b4s256_gates.offload", "gpu-measured", "reject", failure="gradients gate failed"
+    )
+    wrong.metrics["outcome"] = "reject"
+    table = rows(results.registry_markdown([no_gain, wrong], "unit"))
+    assert table["TRAIN-CHECKPOINT"][3].endswith("; decision reject; outcome no-gain")
+    assert table["TRAIN-OFFLOAD"][3].endswith(
+        "; decision reject; outcome reject (gradients gate failed); 1 failed"
+    )
+    assert results.outcome_of(gate_record("TRAIN-LOOP", "cpu-loop")) is None  # nothing judged: nothing shown
+
+
 def test_runs_with_gpu_evidence_are_found_by_their_records(tmp_path):
     for label, records in (
         ("cpu-run", GATE_RECORDS[:1]),

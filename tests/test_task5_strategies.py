@@ -18,7 +18,15 @@ from trainmech import checkpointing as C
 from trainmech import ledger, measure
 from trainmech.errors import TrainmechError
 from trainmech.ledger import scenarios
-from trainmech.offload import ActivationOffload, CountingSaveOnCpu, HostArena, OffloadBook, restore_check
+from trainmech.offload import (
+    ActivationOffload,
+    CountingSaveOnCpu,
+    HostArena,
+    HostStreams,
+    OffloadBook,
+    restore_check,
+)
+from trainmech.offload.copies import CudaCopies
 from trainmech.optimizers import OptimizerInBackward
 
 pytestmark = pytest.mark.task5
@@ -122,28 +130,57 @@ def test_count_calls_ignores_evaluation_forwards(model, batch):
     assert calls[0] == 1
 
 
-def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch, baseline):
+def _selective_counts(model, batch):
+    """(full, selective) RecomputeCount of one step, and the ops a plain grad-enabled forward dispatched."""
     full, selective = C.RecomputeCount(), C.RecomputeCount()
     with C.checkpoint_layers(model.model.layers, context_fn=C.counting_context(full)):
         step(model, batch)
     with C.checkpoint_layers(model.model.layers, context_fn=C.counting_context(selective, C.save_matmuls)):
         got = step(model, batch)
-    with torch.no_grad(), C.dispatched_ops(model.model.layers) as dispatched:
+    with C.dispatched_ops(
+        model.model.layers
+    ) as dispatched:  # grad enabled: SDPA's choice looks at requires_grad
         model(**batch)
+    model.zero_grad(set_to_none=True)
+    return full, selective, dispatched, got
+
+
+def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch, baseline):
+    full, selective, dispatched, got = _selective_counts(model, batch)
+    kernel = ledger.attention_kernel(ledger.model_shape(model.config), "fp32", "cpu")
     assert_bitwise(got, baseline)
     assert selective.forward_ops == full.forward_ops
-    assert (
-        selective.saved_ops == sum(dispatched.values()) == 8 * LAYERS
-    )  # CPU: q, k, v, o, one fused SDPA, gate, up, down
+    # by name: q, k, v (addmm, with a bias), o, gate, up, down (mm) and one fused SDPA op per layer
+    assert dispatched == C.expected_matmul_ops(model.model.layers, kernel, "cpu")
+    assert dispatched == {
+        "addmm.default": 3 * LAYERS,
+        "mm.default": 4 * LAYERS,
+        "_scaled_dot_product_flash_attention_for_cpu.default": LAYERS,
+    }
+    assert selective.saved_ops == sum(dispatched.values())
     assert not {op.__name__ for op in C.MATMUL_OPS} & set(selective.recomputed_by_op)
     assert {"mm.default", "addmm.default"} & set(full.recomputed_by_op)
     assert 0 < selective.recomputed_ops < full.recomputed_ops
 
 
+def test_selective_checkpoint_with_the_kernel_the_ledger_picks_for_cuda(model, batch, baseline):
+    """CUDA's choice for fp32 grouped-query attention (math: two bmm per layer), forced on the CPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernel = ledger.attention_kernel(ledger.model_shape(model.config), "fp32", "cuda")
+    with sdpa_kernel(SDPBackend.MATH):
+        _, selective, dispatched, _ = _selective_counts(model, batch)
+    expected = C.expected_matmul_ops(model.model.layers, kernel, "cuda")
+    assert kernel == "math" and expected["bmm.default"] == 2 * LAYERS
+    assert dispatched == expected and selective.saved_ops == sum(expected.values()) == 9 * LAYERS
+    with pytest.raises(ValueError, match="no attention ops known"):
+        C.expected_matmul_ops(model.model.layers, "flash", "mps")
+
+
 def test_dispatched_ops_follow_the_attention_kernel(model, batch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), C.dispatched_ops(model.model.layers) as dispatched:
+    with sdpa_kernel(SDPBackend.MATH), C.dispatched_ops(model.model.layers) as dispatched:
         model(**batch)
     assert dispatched["bmm.default"] == 2 * LAYERS  # the math kernel: scores and the weighted sum
     assert not any("scaled_dot_product" in name for name in dispatched)
@@ -443,6 +480,127 @@ def test_save_on_cpu_moves_everything_and_restores_values(model, batch, baseline
     wrapped, counts = restore_check(CountingSaveOnCpu("cpu"))
     offload_step(model, batch, wrapped)
     assert counts["values_differ"] == 0  # values come back; strides may not (contiguous copies)
+
+
+# ----------------------------------------------------------------------------- offload: the CUDA copy path, on host streams
+
+
+def _copies(log, stream):
+    """{entry: (start event, end event, position in the log)} of the copies on one side stream."""
+    return {c[4]: (c[2], c[3], i) for i, c in enumerate(log) if c[0] == "copy" and c[1] == stream}
+
+
+def _at(log, item) -> list[int]:
+    return [i for i, c in enumerate(log) if c == item]
+
+
+def test_cuda_copy_path_on_host_streams_is_bitwise_and_waits_before_every_drop_and_use(
+    model, batch, baseline
+):
+    """CudaCopies with every copy done at once on the host: the events, waits and releases in their order."""
+    streams = HostStreams()
+    offload = ActivationOffload.for_model(
+        model, min_bytes=HIDDEN // 2, arena=HostArena(pinned=False), streams=streams
+    )
+    got = offload_step(model, batch, offload)
+    copies, stats = offload.copies, offload.finish()
+    assert isinstance(copies, CudaCopies)
+    assert_bitwise(got, baseline)
+    assert (
+        copies._done == {} and copies._ready == {}
+    )  # every copy's end event waited for by the compute stream
+    assert all(e.used for e in offload.entries) and stats.fetched_unused == 0
+    assert len(copies.copies) == stats.offloaded + stats.prefetched + stats.on_demand
+    log = streams.log
+    d2h, h2d = _copies(log, "d2h"), _copies(log, "h2d")
+    assert set(d2h) == set(h2d) == {e.index for e in offload.entries}
+    for entry, (_start, end, at) in d2h.items():
+        assert log[at - 3] == ("wait_stream", "d2h", "compute")  # the producer's work comes first
+        (waited,), (dropped,) = (
+            _at(log, ("wait_event", "compute", end)),
+            _at(log, ("note", "drop-source", entry)),
+        )
+        assert waited < dropped  # the source is held until the compute stream waited for its copy
+        assert waited < h2d[entry][2]  # … and its H2D is queued after that wait
+    for entry, (_start, end, at) in h2d.items():
+        assert log[at - 3] == ("wait_stream", "h2d", "compute")
+        waits, uses = _at(log, ("wait_event", "compute", end)), _at(log, ("note", "use", entry))
+        assert len(waits) == 1 and uses and waits[0] < uses[0]  # waited once, before the first use
+
+
+def test_host_streams_out_of_order_names_a_release_before_its_wait(model, batch):
+    streams = HostStreams()
+    offload = ActivationOffload.for_model(
+        model, min_bytes=HIDDEN // 2, arena=HostArena(pinned=False), streams=streams
+    )
+    offload_step(model, batch, offload)
+    offload.finish()
+    assert streams.out_of_order() == []
+    _, end, _ = _copies(streams.log, "d2h")[0]
+    (waited,), (dropped,) = (
+        _at(streams.log, ("wait_event", "compute", end)),
+        _at(streams.log, ("note", "drop-source", 0)),
+    )
+    streams.log[waited], streams.log[dropped] = (
+        streams.log[dropped],
+        streams.log[waited],
+    )  # let go first, then wait
+    assert streams.out_of_order() == ["entry 0: source let go or fetched before its D2H was waited for"]
+
+
+def test_cuda_copy_path_read_times_adds_up_the_events(model, batch):
+    streams = HostStreams()
+    offload = ActivationOffload.for_model(
+        model, min_bytes=HIDDEN // 2, arena=HostArena(pinned=False), streams=streams
+    )
+    offload_step(model, batch, offload)
+    offload.finish()
+    stats = offload.read_times()
+    ev = streams.events
+    spans = [ev[end].t - ev[start].t for c in streams.log if c[0] == "copy" for start, end in [c[2:4]]]
+    assert (
+        streams.log[-1] == ("synchronize",)
+        and len(spans) == stats.offloaded + stats.prefetched + stats.on_demand
+    )
+    assert stats.transfer_s == sum(spans) and stats.transfer_s > 0
+    # every copy had ended when the compute stream asked for it: no wait is exposed
+    assert stats.d2h_wait_s == 0.0 and stats.h2d_wait_s == 0.0 and stats.exposed_transfer_s == 0.0
+
+
+def test_cuda_copy_path_begin_makes_the_d2h_stream_wait_for_the_previous_steps_h2d(model, batch):
+    streams, arena = HostStreams(), HostArena(pinned=False)
+    ends = []
+    for _ in range(2):
+        hooks = ActivationOffload.for_model(model, min_bytes=HIDDEN // 2, arena=arena, streams=streams)
+        offload_step(model, batch, hooks)
+        hooks.finish()
+        ends.append(len(streams.log))
+    log = streams.log
+    last_h2d = max(at for _, _, at in _copies(log[: ends[0]], "h2d").values())
+    first_d2h = ends[0] + min(at for _, _, at in _copies(log[ends[0] :], "d2h").values())
+    assert ("wait_stream", "d2h", "h2d") in log[last_h2d:first_d2h]  # the slots are overwritten only after
+    assert arena.allocations == 1
+
+
+def test_a_fetched_copy_never_used_is_waited_for_before_finish_lets_it_go():
+    """A saved tensor of a branch the backward does not run is fetched with its group, never unpacked."""
+    x = torch.randn(64, 64, requires_grad=True)
+    streams = HostStreams()
+    hooks = ActivationOffload("cpu", min_bytes=0, arena=HostArena(pinned=False), streams=streams)
+    with hooks:
+        (x * 2).exp().sum()  # exp saves its result: entry 0
+        used = (x * 3).tanh().sum()  # tanh saves its result: entry 1
+    (grad,) = torch.autograd.grad(used, x)  # only the tanh branch runs
+    stats = hooks.finish()
+    assert torch.equal(grad, torch.autograd.grad((x * 3).tanh().sum(), x)[0])  # without the hooks
+    assert [e.used for e in hooks.entries] == [False, True] and stats.fetched_unused == 1
+    assert hooks.copies._ready == {}
+    _, end, _ = _copies(streams.log, "h2d")[0]
+    (waited,), (dropped,) = (
+        _at(streams.log, ("wait_event", "compute", end)),
+        _at(streams.log, ("note", "drop-fetched", 0)),
+    )
+    assert waited < dropped
 
 
 # ----------------------------------------------------------------------------- optimizer-in-backward and the scenarios

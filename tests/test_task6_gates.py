@@ -143,6 +143,9 @@ def raise_adam_eps(state):
 
 
 FP16 = candidates.candidate("fp16", "TRAIN-AMP-BACKWARD", dtype="float16")
+FP32 = candidates.candidate(
+    "fp32", "TRAIN-AMP-BACKWARD"
+)  # the default update: zero_grad, the finiteness guard
 CHECKPOINT = candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing)
 OFFLOAD = candidates.candidate("offload", "TRAIN-OFFLOAD", offload)
 CLAMP = candidates.candidate(
@@ -192,7 +195,7 @@ PLANTED = {  # bug -> (the candidate with it, the gate that must stop it, the ca
     "no-zero-grad": (
         candidates.candidate("b7", "TRAIN-AMP-BACKWARD", update=update_without_zero_grad),
         "gradients",
-        CHECKPOINT,
+        FP32,
     ),
     "faster-skips-work": (
         candidates.Candidate("b8", "TRAIN-CHECKPOINT", backward=first_micro_batch_only),
@@ -202,7 +205,7 @@ PLANTED = {  # bug -> (the candidate with it, the gate that must stop it, the ca
     "no-finiteness-guard": (
         candidates.candidate("b9", "TRAIN-AMP-BACKWARD", update=step_without_guard),
         "updates",
-        FP16,
+        FP32,
     ),
     "recipe-change": (
         candidates.candidate("b10", "TRAIN-AMP-BACKWARD", dtype="float16", update=raise_adam_eps),
@@ -245,7 +248,45 @@ def test_without_the_bug_no_gate_fires(gw, reference, fixed):
     assert report.record_fields()["conclusion"]["decision"] is None
 
 
-@pytest.mark.parametrize("fixed", [CLAMP, COUNTED_OUT], ids=lambda c: c.name)
+@pytest.mark.parametrize("cand", [CHECKPOINT, OFFLOAD], ids=lambda c: c.name)
+def test_the_performance_stage_with_the_cpu_allocator_forced_runs_the_allocator_bookkeeping(
+    gw, reference, cand
+):
+    """`_peaks` / `_end_of_forward` read the allocator through measure.allocator_window, as on CUDA: here the CPU
+    allocator (the profiler's count) stands in, and its peaks agree with the tracked tensor bytes."""
+    forced, forced_ref = tracing.remeasure(
+        cand, reference.candidate, gw, warmup=1, repeats=1, allocator="cpu-profiler"
+    )
+    plain, _ = tracing.remeasure(cand, reference.candidate, gw, warmup=1, repeats=1)
+    for p in (forced, forced_ref):
+        assert abs(p.peak_allocated_bytes / p.tracked_peak_bytes - 1) <= 0.02
+        assert abs(p.forward_backward_allocated_bytes / p.tracked_forward_backward_bytes - 1) <= 0.02
+        assert p.forward_backward_allocated_bytes <= p.peak_allocated_bytes
+        # the CPU allocator reserves nothing beside what it hands out, and there is no CUDA context
+        assert (p.peak_reserved_bytes, p.forward_backward_reserved_bytes, p.cuda_context_bytes) == (
+            None,
+            None,
+            None,
+        )
+        assert not p.on_gpu
+    assert forced.bytes_per_row < forced_ref.bytes_per_row  # the strategy keeps less per sequence
+    if cand is CHECKPOINT:  # the allocator's slope is the tracked one
+        assert abs(forced.bytes_per_row / plain.bytes_per_row - 1) <= 0.05
+    else:  # host and device are one memory here: the CPU allocator also counts the offload's host arena growing
+        assert forced.bytes_per_row > plain.bytes_per_row
+    assert all(getattr(plain, k) is None for k in tracing.ALLOCATOR_FIELDS)  # not forced: unknown on a CPU
+
+
+def test_every_planted_bug_has_its_true_twin_and_every_twin_is_judged():
+    """The twin claims what the buggy candidate claims (dtype, experiment) and is among the fixed candidates
+    the tests below run through the gates."""
+    judged = {c.name for c in (FP16, CHECKPOINT, OFFLOAD, CLAMP, COUNTED_OUT, FP32)}
+    for bug, (buggy, _, fixed) in PLANTED.items():
+        assert (buggy.dtype, buggy.semantic_id) == (fixed.dtype, fixed.semantic_id), bug
+        assert fixed.name in judged, bug
+
+
+@pytest.mark.parametrize("fixed", [CLAMP, COUNTED_OUT, FP32], ids=lambda c: c.name)
 def test_the_fixed_variants_pass_the_gates_without_a_measurement(gw, reference, fixed):
     report = gates.judge(fixed, gw, reference, measure=False)
     assert [v.passed for v in report.verdicts] == [True] * 4 and report.performance is None

@@ -12,8 +12,9 @@ Counting: `counting_context` gives checkpoint() a context_fn that counts the ate
 checkpointed region runs in the forward and again in the backward (and, with a policy, makes the
 checkpoint selective); `count_calls` counts module calls, so a replayed layer shows up as extra
 calls during the backward; `dispatched_ops` counts, in a plain forward, the ops a policy would
-keep, so what a selective checkpoint saves is checked against what really ran (one fused SDPA op
-on one device, two `bmm` of the math kernel on another). Every replay is also announced to
+keep, so what a selective checkpoint saves is checked against what really ran; `expected_matmul_ops`
+says by name what that should be, from the layers' Linear modules and the attention kernel the ledger
+picks for the device (one fused SDPA op, or two `bmm` of the math kernel). Every replay is also announced to
 `trainmech.measure` (`born_as("recompute")`): the tensors it re-creates are saved tensors again,
 not workspace, in a memory measurement — the same word the ledger uses for them.
 """
@@ -41,6 +42,8 @@ __all__ = [
     "counting_context",
     "count_calls",
     "dispatched_ops",
+    "ATTENTION_OPS",
+    "expected_matmul_ops",
 ]
 
 aten = torch.ops.aten
@@ -262,3 +265,30 @@ def dispatched_ops(layers: Iterable[torch.nn.Module], ops: frozenset = MATMUL_OP
     finally:
         for h in handles:
             h.remove()
+
+
+# What one layer's attention dispatches, by (device type, kernel as `ledger.attention_kernel` names it).
+ATTENTION_OPS = {
+    ("cpu", "flash"): {"_scaled_dot_product_flash_attention_for_cpu.default": 1},
+    ("cuda", "flash"): {"_scaled_dot_product_flash_attention.default": 1},
+    ("cuda", "efficient"): {"_scaled_dot_product_efficient_attention.default": 1},
+    ("cuda", "cudnn"): {"_scaled_dot_product_cudnn_attention.default": 1},
+    ("cpu", "math"): {"bmm.default": 2},  # the composite: scores q·kᵀ, then probabilities · v
+    ("cuda", "math"): {"bmm.default": 2},
+}
+
+
+def expected_matmul_ops(layers: Iterable[torch.nn.Module], kernel: str, device: str) -> Counter:
+    """The matmul and attention ops a forward of these decoder layers should dispatch, by op name, written
+    down without MATMUL_OPS: one `addmm` per nn.Linear with a bias and one `mm` per nn.Linear without (a
+    Qwen2 layer: q, k, v with a bias; o, gate, up, down without), and the attention as `kernel`
+    (`ledger.attention_kernel`'s choice for the device) runs it on `device` (ATTENTION_OPS)."""
+    if (device, kernel) not in ATTENTION_OPS:
+        raise ValueError(f"no attention ops known for the {kernel} kernel on {device}")
+    out: Counter = Counter()
+    for layer in layers:
+        for m in layer.modules():
+            if isinstance(m, torch.nn.Linear):
+                out["addmm.default" if m.bias is not None else "mm.default"] += 1
+        out.update(ATTENTION_OPS[device, kernel])
+    return out

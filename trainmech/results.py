@@ -65,6 +65,7 @@ __all__ = [
     "write_schema",
     "experiments",
     "reference_figures",
+    "outcome_of",
     "evidence_status",
     "registry_markdown",
     "runs_with_evidence",
@@ -389,8 +390,19 @@ def reference_figures(semantic_id: str) -> dict[str, Any]:
     raise TrainmechError(f"no experiment {semantic_id!r} in the registry")
 
 
+def outcome_of(record: Record) -> str | None:
+    """What a record concluded, in words that keep "wrong" apart from "not worth it": `metrics.outcome` (the
+    gates' accept / tune / no-gain / reject; the `decision` field files no-gain as reject), with the failure
+    beside it; the failure alone where no outcome was recorded; None where neither was."""
+    outcome, failure = record.metrics.get("outcome"), record.conclusion.failure
+    if isinstance(outcome, str):
+        return f"{outcome} ({failure})" if failure else outcome
+    return failure
+
+
 def evidence_status(records: list[Record]) -> str:
-    """One cell of the registry: the strongest evidence of an experiment's records, in words."""
+    """One cell of the registry: the strongest evidence of an experiment's records, in words, with the decisions
+    and the outcomes (`outcome_of`) the records hold."""
     if not records:
         return "no record"
     best = max(records, key=lambda r: EVIDENCE_LEVELS.index(r.conclusion.evidence_level))
@@ -398,9 +410,12 @@ def evidence_status(records: list[Record]) -> str:
     workloads = ", ".join(sorted({r.identity.workload_id for r in records}))
     failed = [r for r in records if r.conclusion.failure]
     decisions = sorted({r.conclusion.decision for r in records if r.conclusion.decision})
+    outcomes = sorted({o for r in records if (o := outcome_of(r))})
     text = f"{level} ({workloads})"
     if decisions:
         text += "; decision " + "/".join(decisions)
+    if outcomes:
+        text += "; outcome " + " / ".join(outcomes)
     if failed:
         text += f"; {len(failed)} failed"
     return text
@@ -425,7 +440,9 @@ def registry_markdown(
         f"# 实验资产表 · 运行 `{run_label}`" if run_label else "# 实验资产表",
         "",
         "证据状态由本次运行的结果记录推出（`python -m trainmech registry`）；没有记录的实验写 `no record`。"
-        "“Part 02 · NN”是资产表原稿的页码，箭头后是本课程里做这个实验的 Notebook。",
+        "“Part 02 · NN”是资产表原稿的页码，箭头后是本课程里做这个实验的 Notebook。"
+        "`decision` 是记录的决策字段（accept / tune / reject）；`outcome` 是门槛给出的结论，"
+        "把“错”（`reject`，括号里是失败的门槛）与“对但不值得”（`no-gain`，在 `decision` 里也记作 reject）分开。",
         "",
         "| 实验 ID / 页面 | 固定对照 | 主要指标 | 证据状态 | 参考数字 |",
         "|---|---|---|---|---|",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from trainmech import gates, ledger
 from trainmech.checkpointing import RecomputeCount
 from trainmech.gates import Verdict
+from trainmech.ledger.compare import MEASURED_PEAK_WITH
 from trainmech.offload import TransferStats
 from trainmech.tracing import Performance, Trace
 
@@ -138,8 +139,9 @@ def ledger_fields(
     model: str,
     min_bytes: int | None,
 ) -> dict:
-    """TRAIN-STATE-LEDGER after a strategy: the ledger's prediction beside the measured step (Task4's definition of
-    the measured peak: the allocator's on CUDA, the tracked tensor bytes elsewhere)."""
+    """TRAIN-STATE-LEDGER after a strategy: the ledger's prediction beside the measured step, each field as Task4's
+    record defines it (`ledger.record_fields`: the measured peak the allocator's on CUDA, the tracked tensor bytes
+    elsewhere; the measured forward + backward peak in tracked bytes; `measured_with` from MEASURED_PEAK_WITH)."""
     measured = ledger.Comparison(model, book.batch, book.seq, "steady", book, step)
     base = ledger.Comparison(model, book.batch, book.seq, "steady", baseline_book, baseline_step)
     pred = book.peak_overlap()
@@ -161,15 +163,14 @@ def ledger_fields(
             "peak_error": measured.error,
             "baseline_measured_peak_bytes": base.measured_peak,
             "peak_change": measured.measured_peak / base.measured_peak - 1,
-            "predicted_forward_backward_bytes": book.forward_backward_peak().bytes,
+            "predicted_forward_backward_peak_bytes": book.forward_backward_peak().bytes,
+            "measured_forward_backward_peak_bytes": measured.measured_forward_backward_peak,
             "predicted_by_category": pred.by_category,
             "measured_by_category": step.by_category(),
             "checkpointing": book.checkpointing,
             "min_bytes": min_bytes,
             "strategy": name,
-            "measured_with": "torch.cuda.max_memory_allocated minus what lay outside the step (Task4)"
-            if on_gpu
-            else "trainmech.measure.StorageTracker (tensor storages)",
+            "measured_with": MEASURED_PEAK_WITH["cuda" if on_gpu else "cpu"],
             "cpu_tracked_peak_bytes": None if on_gpu else step.peak_bytes,
         },
     }

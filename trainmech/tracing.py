@@ -1,15 +1,18 @@
 """What one run of a candidate through the gate workload showed, and what its steps cost.
 
-`run_trace` runs every attempt of the gate workload from the initial weights; two small watchers
-record what the model really received (`watch_inputs`) and which optimizer steps really ran
-(`watch_steps`), whatever the candidate says. Nothing here zeroes the gradients: that is the
-candidate's update's job, so forgetting it is a bug the gates can see.
+`run_trace` runs every attempt of the gate workload from the initial weights, in small steps (`_begin`,
+then per attempt `_Run.start` and `_Run.attempt`, then `_Run.end`); two small watchers record what the
+model really received (`watch_inputs`) and which optimizer steps really ran (`watch_steps`), whatever
+the candidate says. Nothing here zeroes the gradients: that is the candidate's update's job, so
+forgetting it is a bug the gates can see.
 
-`remeasure` is the fifth stage's measurement: peaks of one steady update measured alone (CUDA:
-allocated and reserved, after `empty_cache()` and a reset, for the forward + backward and for the
-whole update; any device: the tracked tensor bytes), what one more sequence adds to what a
-micro-batch keeps alive at the end of its forward (the capacity slope), then step times with the reference's and the
-candidate's updates interleaved, so that a drift of the machine hits both alike.
+`remeasure` is the fifth stage's measurement: peaks of steady updates measured alone — the allocator's,
+read through `measure.allocator_window` (CUDA: allocated and reserved, the cache emptied before, for a
+forward + backward and for a whole update, with the memory outside the allocator; a CPU's allocator only
+when forced, `allocator="cpu-profiler"`, so a CPU runs that bookkeeping too) and, on any device, the
+tracked tensor bytes —, what one more sequence adds to what a micro-batch keeps alive at the end of its
+forward (the capacity slope), then step times with the reference's and the candidate's updates
+interleaved, so that a drift of the machine hits both alike.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import hashlib
 import math
 import statistics
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -28,7 +31,7 @@ import torch
 from trainmech import amp, supervision
 from trainmech.candidates import Candidate, GateWorkload, Window, calibrated_scale
 from trainmech.display import progress
-from trainmech.measure import StorageTracker, cuda_peaks, reset_cuda_peaks, time_stats, timed
+from trainmech.measure import StorageTracker, allocator_window, time_stats, timed
 from trainmech.workload import supervised_tokens
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "held_out_loss",
     "run_trace",
     "Performance",
+    "ALLOCATOR_FIELDS",
     "remeasure",
 ]
 
@@ -254,6 +258,103 @@ def _same_weights(params: dict[str, torch.nn.Parameter], weights: dict[str, torc
     return all(torch.equal(p.detach().cpu(), weights[n]) for n, p in params.items())
 
 
+def _handed(window: list[dict], injected: bool) -> str:
+    """Digest of the window handed out: ids, masks and labels of every micro-batch, and whether it was poisoned."""
+    return _digest(
+        *[mb[k] for mb in window for k in ("input_ids", "attention_mask", "labels")], torch.tensor([injected])
+    )
+
+
+def _unscaled_grads(params: dict[str, torch.nn.Parameter], state) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().float().cpu() / _scale(state) for n, p in params.items() if p.grad is not None}
+
+
+def _begin(cand: Candidate, gw: GateWorkload) -> Trace:
+    """A new trace from the initial weights: their held-out loss and (FP16) the calibrated loss scale."""
+    trace = Trace(cand.name)
+    gw.model.load_state_dict(gw.initial)
+    trace.held_out_before = held_out_loss(gw.model, gw.held_out)
+    try:
+        trace.loss_scale, trace.scale_halvings = calibrated_scale(cand, gw)
+    except Exception:  # the candidate's own failure: the traced attempts meet it again and keep it
+        trace.loss_scale, trace.scale_halvings = None, 0
+    return trace
+
+
+@dataclass
+class _Run:
+    """One `run_trace` in progress: the trace it fills and what its attempts share."""
+
+    trace: Trace
+    cand: Candidate
+    gw: GateWorkload
+    state: object  # candidates.TrainState
+    inputs: InputLog
+    steps: StepLog
+    teacher: Trace | None
+
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.gw.model.named_parameters())
+
+    def start(self, attempt: int, window: list[dict], keep_weights: bool) -> None:
+        """What an attempt starts from: the window handed out, the RNG state, the learning rate (and the weights)."""
+        self.inputs.windows.append([])
+        self.trace.handed.append(_handed(window, attempt in self.gw.inject_at))
+        self.trace.rng.append(_rng_digest(self.gw.device))
+        self.trace.attempt_lrs.append(self.state.optimizer.param_groups[0]["lr"])
+        if keep_weights:
+            self.trace.weights.append({n: p.detach().to("cpu", copy=True) for n, p in self.params.items()})
+
+    def judged_backward(self, attempt: int, window: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+        """The candidate's backward of the window, and the (loss, gradients) gate 2 judges: its own pass, or, where
+        its updates moved it off the teacher's weights, a pass from those weights first (undone afterwards)."""
+        params = self.params
+        weights = self.teacher.weights[attempt] if self.teacher is not None else None
+        forced = weights is not None and not _same_weights(params, weights)
+        if forced:
+            self.inputs.paused = True  # a second pass over the same window: not another input
+            try:
+                judged = _from_weights(self.cand, self.state, window, weights, params)
+            finally:
+                self.inputs.paused = False
+        own = self.cand.backward(self.state, window)
+        return judged if forced else (float(own), _unscaled_grads(params, self.state))
+
+    def attempt(self, attempt: int, window: list[dict]) -> bool:
+        """Backward (a poisoned window gets NaN logits), then the candidate's update. False when the candidate
+        raised: its failure is evidence, kept in `trace.error`, not a crash of the pipeline."""
+        trace, stage, before = self.trace, "backward", self.steps.steps
+        try:
+            with (
+                _nan_logits(self.gw.model, attempt in self.gw.inject_at),
+                amp.activation_dtypes(self.gw.model, ("Linear",)) as dtypes,
+            ):
+                loss, grads = self.judged_backward(attempt, window)
+            trace.losses.append(loss)
+            trace.grads.append(grads)
+            if attempt == 0:
+                trace.dtypes = sorted(dtypes.get("Linear", ()))
+            stage = "update"
+            self.cand.update(self.state)
+        except Exception as e:
+            trace.error = f"attempt {attempt}, {stage}: {_stable_head(e)}"
+            return False
+        trace.stepped.append(self.steps.steps > before)
+        trace.finite.append(all_finite(self.params.values()))
+        return True
+
+    def end(self) -> None:
+        """What the watchers saw, the optimizer's and the scheduler's own counts, the held-out loss at the end."""
+        trace, state = self.trace, self.state
+        trace.consumed, trace.tokens, trace.lrs = self.inputs.windows, self.inputs.tokens, self.steps.lrs
+        counts = [s["step"] for s in state.optimizer.state.values() if "step" in s]
+        trace.optimizer_steps = int(counts[0]) if counts else 0
+        trace.scheduler_steps = state.scheduler.last_epoch
+        if trace.error is None:
+            trace.held_out_loss = held_out_loss(self.gw.model, self.gw.held_out)
+
+
 def run_trace(
     cand: Candidate,
     gw: GateWorkload,
@@ -272,68 +373,17 @@ def run_trace(
     updates moved it off them, a second backward whose effects are undone before its own — so a window is
     judged on the same weights as the reference's, whatever the candidate's earlier updates did (gates 3 and 4
     judge those)."""
-    trace, model = Trace(cand.name), gw.model
-    params = dict(model.named_parameters())
     with gw.running():
-        model.load_state_dict(gw.initial)
-        trace.held_out_before = held_out_loss(model, gw.held_out)
-        try:
-            trace.loss_scale, trace.scale_halvings = calibrated_scale(cand, gw)
-        except Exception:  # the candidate's own failure: the traced attempts meet it again and keep it
-            trace.loss_scale, trace.scale_halvings = None, 0
+        trace = _begin(cand, gw)
         torch.manual_seed(gw.seed if seed is None else seed)
         state = gw.fresh_state(cand, init_scale=trace.loss_scale)
-        with watch_inputs(model) as inputs, watch_steps(state.optimizer) as steps:
+        with watch_inputs(gw.model) as inputs, watch_steps(state.optimizer) as steps:
+            run = _Run(trace, cand, gw, state, inputs, steps, teacher)
             for attempt, window in enumerate(gw.windows):
-                inputs.windows.append([])
-                trace.handed.append(
-                    _digest(
-                        *[mb[k] for mb in window for k in ("input_ids", "attention_mask", "labels")],
-                        torch.tensor([attempt in gw.inject_at]),
-                    )
-                )
-                trace.rng.append(_rng_digest(gw.device))
-                trace.attempt_lrs.append(state.optimizer.param_groups[0]["lr"])
-                if keep_weights:
-                    trace.weights.append({n: p.detach().to("cpu", copy=True) for n, p in params.items()})
-                stage, before = "backward", steps.steps
-                try:
-                    with (
-                        _nan_logits(model, attempt in gw.inject_at),
-                        amp.activation_dtypes(model, ("Linear",)) as dtypes,
-                    ):
-                        forced = teacher is not None and not _same_weights(params, teacher.weights[attempt])
-                        if forced:  # the candidate's own updates moved it off the teacher's weights
-                            inputs.paused = True
-                            loss, grads = _from_weights(cand, state, window, teacher.weights[attempt], params)
-                            inputs.paused = False
-                        own = cand.backward(state, window)
-                    if not forced:  # its own pass is the pass from the teacher's weights
-                        loss, grads = (
-                            float(own),
-                            {
-                                n: p.grad.detach().float().cpu() / _scale(state)
-                                for n, p in params.items()
-                                if p.grad is not None
-                            },
-                        )
-                    trace.losses.append(loss)
-                    trace.grads.append(grads)
-                    if attempt == 0:
-                        trace.dtypes = sorted(dtypes.get("Linear", ()))
-                    stage = "update"
-                    cand.update(state)
-                except Exception as e:  # the candidate's own failure is evidence, not a crash of the pipeline
-                    trace.error = f"attempt {attempt}, {stage}: {_stable_head(e)}"
+                run.start(attempt, window, keep_weights)
+                if not run.attempt(attempt, window):
                     break
-                trace.stepped.append(steps.steps > before)
-                trace.finite.append(all_finite(params.values()))
-            trace.consumed, trace.tokens, trace.lrs = inputs.windows, inputs.tokens, steps.lrs
-        states = [s["step"] for s in state.optimizer.state.values() if "step" in s]
-        trace.optimizer_steps = int(states[0]) if states else 0
-        trace.scheduler_steps = state.scheduler.last_epoch
-        if trace.error is None:
-            trace.held_out_loss = held_out_loss(model, gw.held_out)
+        run.end()
     return trace
 
 
@@ -342,7 +392,8 @@ def run_trace(
 
 @dataclass
 class Performance:
-    """The fifth stage's measurements of one candidate (CUDA fields None elsewhere: unknown, not 0)."""
+    """The fifth stage's measurements of one candidate (allocator fields None without an allocator count: unknown,
+    not 0; with the CPU allocator forced they hold its peaks above each window's start, reserved and outside None)."""
 
     device_type: str
     step_time_median_s: float
@@ -374,85 +425,133 @@ class Performance:
         return self.device_type == "cuda" and self.peak_reserved_bytes is not None
 
 
-def _attempt(cand: Candidate, state, window) -> None:
+def _one_update(cand: Candidate, state, window) -> None:
     cand.backward(state, window)
     cand.update(state)
 
 
-def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | None) -> dict:
-    """One steady update measured alone, after `warmup` untimed ones: tracked bytes, and on CUDA the
-    allocator's peaks (the cache emptied and the peaks reset first)."""
-    state = gw.fresh_state(cand, init_scale=init_scale)
-    clean = gw.clean
-    for i in range(max(warmup, 1)):  # at least one: the optimizer's moments exist, as in every later update
-        _attempt(cand, state, clean[i % len(clean)])
-    window = clean[max(warmup, 1) % len(clean)]
-    out = dict.fromkeys(
-        (
-            "peak_allocated_bytes",
-            "peak_reserved_bytes",
-            "forward_backward_allocated_bytes",
-            "forward_backward_reserved_bytes",
-            "cuda_context_bytes",
-        )
-    )
-    if gw.device.type == "cuda":
-        gc.collect()  # tensors held by reference cycles go back to the allocator before the cache is emptied
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(gw.device)
-        out["cuda_context_bytes"] = int(total - free - torch.cuda.memory_reserved(gw.device))
-        reset_cuda_peaks(gw.device)
+ALLOCATOR_FIELDS = (
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "forward_backward_allocated_bytes",
+    "forward_backward_reserved_bytes",
+    "cuda_context_bytes",
+)
+
+
+def _allocator(device: torch.device, allocator: str | None) -> str | None:
+    """The allocator whose count is read: as asked, else CUDA's on a GPU, else none (a CPU's is read only when forced)."""
+    return allocator or ("cuda" if device.type == "cuda" else None)
+
+
+def _emptied_cache(device: torch.device) -> int:
+    """CUDA: the caching allocator's cache handed back (cyclic garbage collected first, so its tensors go back
+    too); returns the device memory in use outside this process's allocator (the CUDA context, other processes)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free - torch.cuda.memory_reserved(device))
+
+
+def _allocator_peaks(cand: Candidate, state, window, device: torch.device, source: str) -> dict:
+    """The allocator's peaks over steady updates of one window, allocated and reserved: over a forward + backward,
+    and over a whole update (one more, measured alone). CUDA: the cache emptied before each, so the reserved
+    peak is what the update needs from an empty cache, and the memory outside the allocator beside them.
+    "cpu-profiler": the CPU allocator through the profiler, peaks above the window's start (it cannot see what
+    lived before); reserved and outside memory None."""
+    cuda = source == "cuda"
+    outside = _emptied_cache(device) if cuda else None
+    with allocator_window(device, source) as fb:
         cand.backward(state, window)
-        fb = cuda_peaks(gw.device)
-        cand.update(state)
-        whole = cuda_peaks(gw.device)
-        out.update(
-            forward_backward_allocated_bytes=fb["peak_allocated_bytes"],
-            forward_backward_reserved_bytes=fb["peak_reserved_bytes"],
-            **whole,
-        )
+    cand.update(state)
+    if cuda:
+        _emptied_cache(device)
+    with allocator_window(device, source) as whole:
+        _one_update(cand, state, window)
+    return {
+        "peak_allocated_bytes": whole.peak_bytes,
+        "peak_reserved_bytes": whole.peak_reserved_bytes,
+        "forward_backward_allocated_bytes": fb.peak_bytes,
+        "forward_backward_reserved_bytes": fb.peak_reserved_bytes,
+        "cuda_context_bytes": outside,
+    }
+
+
+def _tracked_peaks(cand: Candidate, state, window) -> dict:
+    """The tracked tensor storages born in one steady update, at their peak: before the optimizer step and over it."""
     tracker = StorageTracker("backward")
     with tracker:
         cand.backward(state, window)
         forward_backward = max(tracker.live, default=0)
         tracker.phase = "update"
         cand.update(state)
-    out.update(
-        tracked_peak_bytes=max(tracker.live, default=0),
-        tracked_forward_backward_bytes=forward_backward,
-        bytes_per_row=_bytes_per_row(cand, state, window[0], gw.device),
-    )
+    return {
+        "tracked_peak_bytes": max(tracker.live, default=0),
+        "tracked_forward_backward_bytes": forward_backward,
+    }
+
+
+def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | None, allocator=None) -> dict:
+    """Steady updates measured alone, after `warmup` untimed ones: the allocator's peaks (`_allocator_peaks`; None
+    without an allocator count), the tracked tensor bytes, and the capacity slope (`_bytes_per_row`)."""
+    state = gw.fresh_state(cand, init_scale=init_scale)
+    clean = gw.clean
+    for i in range(max(warmup, 1)):  # at least one: the optimizer's moments exist, as in every later update
+        _one_update(cand, state, clean[i % len(clean)])
+    window = clean[max(warmup, 1) % len(clean)]
+    source = _allocator(gw.device, allocator)
+    out = dict.fromkeys(ALLOCATOR_FIELDS)
+    if source:
+        out |= _allocator_peaks(cand, state, window, gw.device, source)
+    out |= _tracked_peaks(cand, state, window)
+    out["bytes_per_row"] = _bytes_per_row(cand, state, window[0], gw.device, source)
     return out
 
 
-def _end_of_forward(cand: Candidate, state, micro_batch: dict, device: torch.device) -> int:
-    """Bytes one micro-batch keeps alive when its logits exist (the end of its forward), above what lived
-    before: CUDA's allocated memory, elsewhere the tracked tensor bytes. Its gradients are dropped after."""
-    seen = []
-    if device.type == "cuda":
-        start = torch.cuda.memory_allocated(device)
-        hook = state.model.lm_head.register_forward_hook(
-            lambda *_: seen.append(torch.cuda.memory_allocated(device) - start)
-        )
-        cand.backward(state, Window([micro_batch]))
+def _end_of_forward(
+    cand: Candidate, state, micro_batch: dict, device: torch.device, source: str | None
+) -> int:
+    """Bytes one micro-batch holds once its logits exist (the end of its forward), above what lived before: the
+    allocator's peak up to that moment (its window closes in a forward hook on the head), without an allocator
+    the tracked tensor bytes alive then. Its gradients are dropped after."""
+    seen, head = [], state.model.lm_head
+    if source:
+        stack = ExitStack()
+        window = stack.enter_context(allocator_window(device, source))
+
+        def at_logits(*_):
+            if not seen:
+                stack.close()
+                seen.append(window.peak_above_start)
+
+        with closing(stack), _hooked(head, at_logits):
+            cand.backward(state, Window([micro_batch]))
     else:
         tracker = StorageTracker("forward")
-        hook = state.model.lm_head.register_forward_hook(
-            lambda *_: seen.append(tracker.live[-1] if tracker.live else 0)
-        )
-        with tracker:
+        with _hooked(head, lambda *_: seen.append(tracker.live[-1] if tracker.live else 0)), tracker:
             cand.backward(state, Window([micro_batch]))
-    hook.remove()
     state.optimizer.zero_grad(set_to_none=True)
     return seen[0]
 
 
-def _bytes_per_row(cand: Candidate, state, micro_batch: dict, device: torch.device) -> int:
+@contextmanager
+def _hooked(module: torch.nn.Module, hook):
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _bytes_per_row(
+    cand: Candidate, state, micro_batch: dict, device: torch.device, source: str | None
+) -> int:
     """The capacity slope: (alive at the end of the forward with the micro-batch's rows twice - with them once) / rows."""
     doubled = {k: torch.cat([v, v]) for k, v in micro_batch.items()}
     rows = int(micro_batch["input_ids"].shape[0])
     return (
-        _end_of_forward(cand, state, doubled, device) - _end_of_forward(cand, state, micro_batch, device)
+        _end_of_forward(cand, state, doubled, device, source)
+        - _end_of_forward(cand, state, micro_batch, device, source)
     ) // rows
 
 
@@ -478,6 +577,7 @@ def remeasure(
     repeats: int,
     init_scale: float | None = None,
     reference_peaks: dict | None = None,
+    allocator: str | None = None,
 ) -> tuple[Performance, Performance]:
     """(candidate's, reference's) performance on the gate workload's clean windows.
 
@@ -486,26 +586,28 @@ def remeasure(
     timed update each, the order alternating (ABBA), so a slow stretch of the machine hits both.
     init_scale: the candidate's calibrated loss scale (FP16, from its trace). reference_peaks: a dict that keeps
     the reference's peaks between calls (they do not change from one candidate to the next), filled on first use.
+    allocator: whose peaks fill the allocator fields: None — CUDA's on a GPU, none elsewhere (null, unknown);
+    "cpu-profiler" — the CPU allocator, so a CPU runs the same bookkeeping (peaks above each window's start).
     """
     with gw.running():
         scales = {id(cand): init_scale, id(reference): None}
         known = reference_peaks if reference_peaks is not None else {}
-        if (gw_key := (id(gw), warmup)) not in known:
-            known[gw_key] = _peaks(reference, gw, warmup, None)
-        peaks = {id(cand): _peaks(cand, gw, warmup, init_scale), id(reference): known[gw_key]}
+        if (gw_key := (id(gw), warmup, allocator)) not in known:
+            known[gw_key] = _peaks(reference, gw, warmup, None, allocator)
+        peaks = {id(cand): _peaks(cand, gw, warmup, init_scale, allocator), id(reference): known[gw_key]}
         states = {id(c): gw.fresh_state(c, init_scale=scales[id(c)]) for c in (cand, reference)}
         clean = gw.clean
         order = [(cand, reference), (reference, cand)]
         for i in range(warmup):
             for c in (cand, reference):
-                _attempt(c, states[id(c)], clean[i % len(clean)])
+                _one_update(c, states[id(c)], clean[i % len(clean)])
         for c in (cand, reference):
             _transfer(c, 0)  # forget the warm-up's offload runs
         seconds = {id(cand): [], id(reference): []}
         for i in progress(range(repeats), desc=f"timing {cand.name} beside {reference.name}", unit="round"):
             for c in order[i % 2]:
                 window = clean[(warmup + i) % len(clean)]
-                seconds[id(c)].append(timed(partial(_attempt, c, states[id(c)], window), gw.device)[1])
+                seconds[id(c)].append(timed(partial(_one_update, c, states[id(c)], window), gw.device)[1])
         for c in (cand, reference):
             states[id(c)].optimizer.zero_grad(set_to_none=True)
     out = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,9 +267,10 @@ class _SdpaOps(TorchDispatchMode):
 
 
 def dispatched_attention_kernel(model: torch.nn.Module, batch: dict) -> str:
-    """flash / efficient / cudnn / math: the SDPA kernel one forward of the model actually ran."""
+    """flash / efficient / cudnn / math: the SDPA kernel one training forward of the model actually ran (grad
+    enabled, as in training: SDPA's choice of kernel looks at requires_grad; the graph is dropped after)."""
     ops = _SdpaOps()
-    with torch.no_grad(), ops:
+    with ops:
         model(**batch, use_cache=False)
     for kernel in ("flash", "efficient", "cudnn"):
         if any(n.startswith(f"_scaled_dot_product_{kernel}_attention") for n in ops.names):
@@ -340,14 +341,24 @@ def check_ledger_on_device(probe: Probe) -> str:
     fields = ledger.record_fields(
         steady, [first, steady], worst_error=0.0, kernel=kernels[0], on_cuda=probe.cuda
     )
-    allocator_fields = [
-        fields["resources"]["peak_allocated_bytes"],
-        fields["resources"]["peak_reserved_bytes"],
-    ]
+    carried = (fields["metrics"]["measured_peak_bytes"], fields["metrics"]["peak_error"])
     require(
-        all(v is not None for v in allocator_fields) if probe.cuda else allocator_fields == [None, None],
-        f"the record's allocator peaks on {probe.device.type}: {allocator_fields}",
+        carried == (steady.measured_peak, steady.error),
+        f"the record carries {carried}, the steady step measured {(steady.measured_peak, steady.error)}",
     )
+    if probe.cuda:
+        allocator_fields = [
+            fields["resources"]["peak_allocated_bytes"],
+            fields["resources"]["peak_reserved_bytes"],
+        ]
+        require(
+            all(v is not None for v in allocator_fields), f"the record's allocator peaks: {allocator_fields}"
+        )
+    else:
+        require(
+            fields["metrics"]["cpu_tracked_peak_bytes"] == steady.measured.peak_bytes > 0,
+            f"the record's tracked peak {fields['metrics']['cpu_tracked_peak_bytes']}",
+        )
     gpu = ""
     if probe.cuda:
         gpu = (
@@ -360,20 +371,57 @@ def check_ledger_on_device(probe: Probe) -> str:
     )
 
 
+@contextmanager
+def _sync_error():
+    """CUDA: inside, any call that makes the host wait for the device raises (torch.cuda.set_sync_debug_mode)."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+def _never_syncing(hooks):
+    """The offload's own calls — pack, unpack, the layer-group pre-hooks — each under _sync_error (the model's
+    own ops run outside it: whether they synchronise is the model's business, not the offload's)."""
+
+    def guarded(fn):
+        def call(*args):
+            with _sync_error():
+                return fn(*args)
+
+        return call
+
+    hooks.pack_hook, hooks.unpack_hook = guarded(hooks.pack_hook), guarded(hooks.unpack_hook)
+    hooks._start_group = guarded(hooks._start_group)  # what the layers' forward pre-hooks call
+    return hooks
+
+
 def check_offload(probe: Probe) -> str:
-    from trainmech.offload import ActivationOffload
+    """The CUDA copy path (CudaCopies): on a GPU with CUDA streams, its second step's hooks and finish() under
+    the sync debug mode "error"; on a CPU with HostStreams (every copy done at once, every stream call logged,
+    the log checked for order), the sync debug mode skipped (there is no device to wait for)."""
+    from trainmech.offload import ActivationOffload, HostStreams
 
     model = probe.model()
     batch = probe.lm_batch()
     ref = _fwd_bwd(model, batch)
     hidden = probe.batch * probe.seq * model.config.hidden_size * 4
-    runs = []
-    for _ in range(2):  # the second step must reuse the first one's host arena
-        hooks = ActivationOffload.for_model(model, min_bytes=hidden // 4, exempt_last=0, prefetch_groups=1)
-        ours = _fwd_bwd(model, batch, hooks)
-        runs.append(hooks.finish())
-        hooks.read_times()  # CUDA: the events, after the step; off CUDA: nothing to read
-    st = runs[0]
+    streams = None if probe.cuda else HostStreams()
+    runs, offloads, starts = [], [], []
+    for step in range(2):  # the second step must reuse the first one's host arena
+        starts.append(len(streams.log) if streams else 0)
+        hooks = ActivationOffload.for_model(
+            model, min_bytes=hidden // 4, exempt_last=0, prefetch_groups=1, streams=streams
+        )
+        guarded = probe.cuda and step == 1  # the step after the arena exists, as every timed update
+        ours = _fwd_bwd(model, batch, _never_syncing(hooks) if guarded else hooks)
+        with _sync_error() if guarded else nullcontext():
+            runs.append(hooks.finish())
+        hooks.read_times()  # the events, after the step (it waits for the device once)
+        offloads.append(hooks)
+    st, copies = runs[0], offloads[0].copies
     same, how = _same(probe, ours, ref)
     require(same, f"gradients under ActivationOffload differ from the baseline ({how})")
     require(
@@ -384,21 +432,47 @@ def check_offload(probe: Probe) -> str:
         runs[1].host_chunks_allocated == 0,
         f"the second step allocated {runs[1].host_chunks_allocated} new host chunk(s)",
     )
-    timed_ok = (
-        (st.transfer_s is not None and st.transfer_s > 0 and st.exposed_transfer_s is not None)
-        if probe.cuda
-        else (st.transfer_s is None and st.exposed_transfer_s is None)
+    require(
+        not copies._done and not copies._ready and all(e.used for e in offloads[0].entries),
+        "a copy's end event was never waited for, or a fetched copy never used",
     )
-    require(timed_ok, f"transfer times {st.transfer_s} / {st.exposed_transfer_s} on {probe.device.type}")
-    times = (
-        f", copies {st.transfer_s * 1e3:.2f} ms, exposed {st.exposed_transfer_s * 1e3:.2f} ms"
-        if probe.cuda
-        else ""
+    require(
+        len(copies.copies) == st.offloaded + st.prefetched + st.on_demand,
+        f"{len(copies.copies)} copies for {st.offloaded} offloaded + {st.prefetched + st.on_demand} fetched",
     )
+    require(
+        st.transfer_s is not None and st.transfer_s > 0 and st.exposed_transfer_s is not None,
+        f"transfer times {st.transfer_s} / {st.exposed_transfer_s}",
+    )
+    if probe.cuda:
+        times = f"copies {st.transfer_s * 1e3:.2f} ms, exposed {st.exposed_transfer_s * 1e3:.2f} ms"
+        syncs = "the second step's hooks and finish() never synchronise (sync debug mode 'error')"
+    else:
+        bounds = zip(starts, [*starts[1:], len(streams.log)])
+        problems = [p for start, stop in bounds for p in streams.out_of_order(start, stop)]
+        require(not problems, "; ".join(problems[:3]))
+        require(
+            st.exposed_transfer_s == 0.0,
+            f"host copies are done at once, yet {st.exposed_transfer_s} s exposed",
+        )
+        times = f"{len(streams.log)} stream calls in order, host-clock copies {st.transfer_s * 1e3:.2f} ms, none exposed"
+        syncs = "sync debug mode skipped (CUDA only)"
     return (
         f"gradients equal ({how}); {st.offloaded} storages, {st.d2h_bytes:,} B each way, {st.prefetched} prefetched, "
-        f"arena reused{times}"
+        f"arena reused; {times}; {syncs}"
     )
+
+
+def _saved_references(model, batch) -> list[int]:
+    """Bytes of every saved reference of one forward + backward, seen by a pair of hooks that keeps them in place."""
+    seen = []
+
+    def pack(t):
+        seen.append(t.numel() * t.element_size())
+        return t
+
+    _fwd_bwd(model, batch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+    return seen
 
 
 def check_save_on_cpu(probe: Probe) -> str:
@@ -412,15 +486,22 @@ def check_save_on_cpu(probe: Probe) -> str:
     st = hooks.read_times()
     same, how = _same(probe, ours, ref)
     require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
-    require(st.d2h_bytes == st.h2d_bytes > 0, f"bytes: {st}")
-    require((st.transfer_s is not None) == probe.cuda, f"transfer_s {st.transfer_s} on {probe.device.type}")
-    return f"gradients equal ({how}); {st.d2h_bytes:,} B each way" + (
-        f", {st.transfer_s * 1e3:.2f} ms of copies" if probe.cuda else ""
+    saved = _saved_references(model, batch)
+    require(
+        st.packed == len(saved) and st.d2h_bytes == st.h2d_bytes == sum(saved),
+        f"save_on_cpu counted {st.packed} references, {st.d2h_bytes:,} B; a plain pair of hooks saw "
+        f"{len(saved)}, {sum(saved):,} B",
+    )
+    if probe.cuda:
+        require(st.transfer_s is not None and st.transfer_s > 0, f"transfer_s {st.transfer_s} on CUDA")
+    return (
+        f"gradients equal ({how}); every one of {len(saved)} saved references moved, {st.d2h_bytes:,} B each way"
+        + (f", {st.transfer_s * 1e3:.2f} ms of copies" if probe.cuda else "")
     )
 
 
 def check_gates(probe: Probe) -> str:
-    from trainmech import candidates, gates
+    from trainmech import candidates, gates, tracing
 
     gw = candidates.gate_workload(
         probe.model(),
@@ -452,8 +533,14 @@ def check_gates(probe: Probe) -> str:
         fields["conclusion"]["decision"] == report.decision and "checkpoint" in table,
         "record fields or the strategy table",
     )
+    p, ref = report.performance, report.reference_performance
+    require(
+        p.tracked_forward_backward_bytes < ref.tracked_forward_backward_bytes
+        and p.bytes_per_row < ref.bytes_per_row,
+        f"checkpointing keeps no less: forward + backward {p.tracked_forward_backward_bytes:,} vs "
+        f"{ref.tracked_forward_backward_bytes:,} B, per sequence {p.bytes_per_row:,} vs {ref.bytes_per_row:,} B",
+    )
     if probe.cuda:
-        p = report.performance
         require(
             report.outcome in gates.OUTCOMES
             and report.evidence_level == "gpu-measured"
@@ -463,15 +550,24 @@ def check_gates(probe: Probe) -> str:
             and p.bytes_per_row > 0,
             f"outcome {report.outcome} ({report.evidence_level}): {report.reason}; {p}",
         )
-    else:
+        measured = f"outcome {report.outcome} ({report.evidence_level}): {report.reason}"
+    else:  # bitwise on a CPU; and the allocator's bookkeeping with the CPU allocator forced
+        worst = report.verdict("gradients").evidence["window_worst"]
         require(
-            report.outcome is None and report.evidence_level == "cpu-mechanism",
-            f"CPU outcome {report.outcome}",
+            all(e == 0 for e in worst), f"a CPU replays bitwise, yet the worst errors per window are {worst}"
         )
-    return (
-        f"checkpoint candidate passes gates 1-4 (RNG, noise floor); outcome {report.outcome or 'null'} ({report.evidence_level}): "
-        f"{report.reason}"
-    )
+        forced, _ = tracing.remeasure(
+            report.candidate, reference.candidate, gw, warmup=1, repeats=1, allocator="cpu-profiler"
+        )
+        ratio = forced.peak_allocated_bytes / forced.tracked_peak_bytes
+        require(
+            abs(ratio - 1) <= 0.02
+            and forced.peak_reserved_bytes is None
+            and forced.cuda_context_bytes is None,
+            f"CPU allocator / tracked peak {ratio:.3f}, reserved {forced.peak_reserved_bytes}",
+        )
+        measured = f"bitwise over {len(worst)} windows; CPU allocator / tracked update peak {ratio:.3f}"
+    return f"checkpoint candidate passes gates 1-4 (RNG, noise floor), keeps less per sequence; {measured}"
 
 
 def check_scenarios(probe: Probe) -> str:
@@ -521,6 +617,7 @@ def check_scenarios(probe: Probe) -> str:
 
 def check_strategy_records(probe: Probe) -> str:
     from trainmech import candidates, gates, strategy_records, tracing
+    from trainmech.ledger.compare import MEASURED_PEAK_WITH
 
     model = probe.model()
     batch = probe.lm_batch()
@@ -557,15 +654,31 @@ def check_strategy_records(probe: Probe) -> str:
         model=probe.model_name,
         min_bytes=None,
     )
-    on_gpu = fields["metrics"]["cpu_tracked_peak_bytes"] is None
-    require(
-        on_gpu == probe.cuda and (fields["resources"]["peak_reserved_bytes"] is not None) == probe.cuda,
-        f"record fields on {probe.device.type}: {fields['resources']}",
+    metrics = ledger_record["metrics"]
+    measured = ledger.Comparison(
+        probe.model_name, probe.batch, probe.seq, "steady", books["checkpoint"], steps[1]
     )
     require(
-        (ledger_record["resources"]["peak_allocated_bytes"] is not None) == probe.cuda,
-        f"ledger record: {ledger_record['resources']}",
+        metrics["measured_with"] == MEASURED_PEAK_WITH["cuda" if probe.cuda else "cpu"]
+        and (metrics["measured_peak_bytes"], metrics["measured_forward_backward_peak_bytes"])
+        == (measured.measured_peak, measured.measured_forward_backward_peak),
+        f"the state-ledger record's measured fields are not Task4's: {metrics['measured_with']!r}, "
+        f"{metrics['measured_peak_bytes']}, {metrics['measured_forward_backward_peak_bytes']}",
     )
+    tracked = fields["metrics"]["cpu_tracked_peak_bytes"]
+    if probe.cuda:
+        require(
+            tracked is None
+            and fields["resources"]["peak_reserved_bytes"] is not None
+            and ledger_record["resources"]["peak_allocated_bytes"] is not None,
+            f"record fields on CUDA: {fields['resources']}, ledger record {ledger_record['resources']}",
+        )
+    else:
+        base_tracked = fields["metrics"]["baseline_cpu_tracked_peak_bytes"]
+        require(
+            tracked == run.performance.tracked_peak_bytes and 0 < tracked < base_tracked,
+            f"the record's tracked peak {tracked} (measured {run.performance.tracked_peak_bytes}), baseline {base_tracked}",
+        )
     return (
         f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}"
         + (
@@ -731,15 +844,14 @@ PACKAGE = [
             "offload.hooks.ActivationOffload.__init__",
             "offload.copies.host_arena",
             "offload.copies.side_streams",
-            "offload.copies.CudaCopies._events",
-            "offload.copies.CudaCopies.to_host",
-            "offload.copies.CudaCopies.let_go",
-            "offload.copies.CudaCopies.to_device",
-            "offload.copies.CudaCopies.before_use",
-            "offload.copies.CudaCopies.read_times",
+            "offload.copies.CudaStreams.compute",
+            "offload.copies.CudaStreams.mark",
+            "offload.copies.CudaStreams.copy",
+            "offload.copies.CudaStreams.synchronize",
         ),
-        "pinned host arena, cached D2H / H2D side streams, held sources released at a D2H event, CUDA events for copy and wait "
-        "times read after the step",
+        "CudaCopies on CUDA streams: pinned host arena, cached D2H / H2D side streams, held sources released at a D2H "
+        "event, CUDA events for copy and wait times read after the step, the hooks never synchronising (sync debug "
+        "mode 'error'); on a CPU the same bookkeeping over HostStreams, its order checked",
         check_offload,
         3,
     ),
@@ -763,15 +875,17 @@ PACKAGE = [
             "tracing._rng_states",
             "tracing._set_rng_states",
             "tracing.Performance.on_gpu",
-            "tracing._peaks",
-            "tracing._end_of_forward",
+            "tracing._allocator",
+            "tracing._emptied_cache",
+            "tracing._allocator_peaks",
             "gates.decide",
             "gates.performance_verdict",
             "gates.Report.record_fields",
             "gates.strategy_table",
         ),
-        "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks, the CUDA "
-        "context and the bytes per sequence in the performance stage; accept / tune / no-gain",
+        "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks through "
+        "measure.allocator_window, the CUDA context and the bytes per sequence in the performance stage; accept / tune / "
+        "no-gain (CPU: the same allocator bookkeeping with the CPU allocator forced)",
         check_gates,
         8,
     ),
@@ -880,8 +994,9 @@ KERNEL_CHOICE_CELLS = {
         None,
     ),
     "Task5:selective": (
-        "the selective checkpoint's saved outputs against the matmul and attention ops a plain forward dispatched "
-        "(one fused SDPA op on CPU, two bmm with CUDA's math kernel)",
+        "the matmul and attention ops a grad-enabled forward dispatched against checkpointing.expected_matmul_ops "
+        "(7 projections per layer and the attention of ledger.attention_kernel's choice: one fused SDPA op on CPU, "
+        "two bmm with CUDA's math kernel), and the selective checkpoint's saved outputs against them",
         None,
     ),
 }

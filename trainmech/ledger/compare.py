@@ -26,6 +26,7 @@ __all__ = [
     "CPU_POINTS",
     "CUDA_POINTS",
     "STEPS",
+    "MEASURED_PEAK_WITH",
     "Comparison",
     "padded_batch",
     "measure_point",
@@ -40,6 +41,13 @@ __all__ = [
     "tracked_step",
     "measure_matrix",
 ]
+
+# How `Comparison.measured_peak` was measured, by device type: what a record's metrics.measured_with says
+# wherever it carries that peak (Task4's TRAIN-STATE-LEDGER, and Task5's after a strategy).
+MEASURED_PEAK_WITH = {
+    "cuda": "torch.cuda.max_memory_allocated minus the allocated bytes outside the step (ledger.Comparison)",
+    "cpu": "trainmech.measure.StorageTracker (tensor storages)",
+}
 
 CPU_POINTS = {"qwen2-tiny": [(1, 32), (2, 128), (4, 256)], "qwen2-small": [(1, 64), (2, 128), (2, 256)]}
 CUDA_POINTS = {"qwen2.5-0.5b": [(2, 512)]}
@@ -449,9 +457,7 @@ def record_fields(
             "measured_forward_backward_peak_bytes": point.measured_forward_backward_peak,
             "predicted_by_category": peak.by_category,
             "measured_by_category": measured.by_category(),
-            "measured_with": "torch.cuda.max_memory_allocated"
-            if on_cuda
-            else "trainmech.measure.StorageTracker (tensor storages)",
+            "measured_with": MEASURED_PEAK_WITH["cuda" if on_cuda else "cpu"],
             "points_predicted_bytes": {key(c): c.predicted_peak for c in points},
             "points_measured_bytes": {key(c): c.measured_peak for c in points},
             "points_error": {key(c): c.error for c in points},

@@ -43,6 +43,7 @@ class TransferStats:
     shared: int = 0  # references served by a storage already offloaded (views, repeated saves)
     prefetched: int = 0  # H2D copies issued before the backward asked for that storage
     on_demand: int = 0  # H2D copies issued only when the backward asked (it then waits for them)
+    fetched_unused: int = 0  # H2D copies the backward never unpacked (let go at finish, after their copy)
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     stash_peak_bytes: int = 0  # most device bytes held at once for D2H copies not yet waited for

@@ -8,7 +8,8 @@
     offload.read_times()          # CUDA: copy time and the compute stream's waits (exposed transfer time)
 
 The decisions are `OffloadBook`'s (trainmech.offload.book), the copies the copy path's
-(trainmech.offload.copies): CUDA side streams, or the CPU stand-in with the same steps.
+(trainmech.offload.copies): CUDA side streams, or the plain CPU copies. `streams=HostStreams()` runs
+the CUDA path's bookkeeping on a CPU (every copy done at once, every stream call logged).
 `for_model` groups the saved tensors by decoder layer, exempts the last layer, the head and the
 loss, and fetches `prefetch_groups` layers ahead of the backward.
 """
@@ -21,7 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from trainmech.offload.book import OffloadBook, TransferStats
-from trainmech.offload.copies import CudaCopies, HostArena, HostCopies, host_arena
+from trainmech.offload.copies import CudaCopies, HostArena, HostCopies, HostStreams, host_arena
 
 __all__ = ["ActivationOffload", "restore_check"]
 
@@ -34,6 +35,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     `layers` (decoder layers, in order) defines the groups: their forward pre-hooks, and a forward
     hook on the last one, tell the book which group the forward is in while the block is entered.
     Without layers everything is group 0, nothing is exempt. One instance per forward + backward.
+    `streams`: the CUDA copy path's device calls (default: CUDA streams on a GPU, none elsewhere);
+    `HostStreams()` makes a CPU run the CUDA path (`CudaCopies`) with host copies.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         prefetch_groups: int = 2,
         stash_groups: int = 1,
         arena: HostArena | None = None,
+        streams: HostStreams | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -57,7 +61,12 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         exempt_from = max(len(self.layers) - exempt_last, 0) if self.layers else None
         self.book = OffloadBook(min_bytes, exempt_from, prefetch_groups, stash_groups)
         self.book.group = -1 if self.layers else 0
-        self.copies = (CudaCopies if self.cuda else HostCopies)(self.device, arena or host_arena(self.device))
+        arena = arena or host_arena(self.device)
+        self.copies = (
+            CudaCopies(self.device, arena, streams)
+            if self.cuda or streams is not None
+            else HostCopies(self.device, arena)
+        )
         self._identity: dict[
             int, tuple[weakref.ref, object]
         ] = {}  # storage address -> (the storage, its entry)
@@ -166,9 +175,11 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
                 self.copies.to_device(e)
 
     def finish(self) -> TransferStats:
-        """After the backward: let go of every device and host buffer. Does not wait for the device."""
+        """After the backward: let go of every device and host buffer. The host does not wait for the device;
+        the compute stream waits for any copy still in flight (a fetched copy the backward never used)."""
         if not self.book.backward_started:
             self.copies.let_go(self.book.start_backward())
+        self.stats.fetched_unused = self.copies.drain(self.book.entries)
         for e in self.book.entries:
             e.source = e.fetched = e.slot = None
         self.book.finish()
