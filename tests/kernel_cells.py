@@ -12,7 +12,9 @@ def run_cells(*sources: str, env: dict[str, str] | None = None, timeout: int = 1
     """Execute the sources as consecutive code cells (errors kept as outputs); the executed cells."""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
     km = AsyncKernelManager(kernel_name="python3", transport_encryption="auto")  # CurveZMQ, as in .jupyter/
-    client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, record_timing=False)
+    client = NotebookClient(
+        nb, km=km, timeout=timeout, allow_errors=True, record_timing=False, shutdown_kernel="immediate"
+    )  # killed at the end, as nbval and the runner do: the interpreter's teardown would only cost time
     client.execute(
         cleanup_kc=True, **({"env": env} if env is not None else {})
     )  # shut the kernel down: we own km

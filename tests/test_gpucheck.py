@@ -101,9 +101,21 @@ def test_the_scanner_finds_each_kind_of_site_and_skips_annotations(tmp_path):
 # ---------------------------------------------------------------- every check, the CPU side chosen
 
 
+@pytest.fixture(scope="module")
+def cpu_self_test(tmp_path_factory):
+    """`gpu-check --cpu` once for this module: the limits, then every package check with the CPU side
+    chosen, each as the GPU runs it (one probe, one report row per check); (exit status, report folder)."""
+    out = tmp_path_factory.mktemp("gpu-check-cpu")
+    return gpu_check(["--cpu", "--out", str(out)]), out
+
+
 @pytest.mark.parametrize("branch", branches.PACKAGE, ids=lambda b: b.name)
-def test_package_check_runs_on_cpu(branch):
-    reason = branch.check(branches.Probe.for_device(CPU))
+def test_package_check_runs_on_cpu(branch, cpu_self_test):
+    _, out = cpu_self_test
+    report = json.loads((out / "gpu-check.json").read_text(encoding="utf-8"))
+    row = next(r for r in report["branches"] if r["name"] == branch.name)
+    assert row["status"] == "ok", (row["reason"], *row.get("traceback", []))
+    reason = row["reason"]
     assert isinstance(reason, str) and reason and "\n" not in reason
 
 
@@ -213,8 +225,9 @@ def test_gpu_check_without_cuda_is_refused_in_one_sentence(capsys, tmp_path):
     assert "needs a CUDA GPU" in err and "--dry-run" in err and "\n" not in err
 
 
-def test_cpu_self_test_writes_both_halves_of_the_report(tmp_path):
-    assert gpu_check(["--cpu", "--out", str(tmp_path)]) == 0
+def test_cpu_self_test_writes_both_halves_of_the_report(cpu_self_test):
+    code, tmp_path = cpu_self_test
+    assert code == 0
     report = json.loads((tmp_path / "gpu-check.json").read_text(encoding="utf-8"))
     assert [r["name"] for r in report["branches"]] == [b.name for b in branches.PACKAGE]
     assert all(r["status"] == "ok" for r in report["branches"])

@@ -381,6 +381,24 @@ def test_kernels_run_this_interpreter_and_import_this_checkout_and_go_on_past_er
     assert "PYTHONPATH" not in os.environ
 
 
+def test_a_clean_kernel_is_killed_at_the_end_and_a_failed_one_shut_down_gracefully(tmp_path):
+    """After its last cell a kernel has written all it writes, so it is killed (the interpreter's teardown
+    would only cost time); after a cell error it shuts down gracefully, so its exit handlers and finalizers
+    still run (a temporary folder whose cleanup cell the notebook never reached)."""
+    at_exit = "import atexit, pathlib\natexit.register(pathlib.Path({!r}).touch)"
+    notebooks = tmp_path / "notebooks"
+    make_notebook(notebooks, "Task0_clean", [at_exit.format(str(tmp_path / "clean-exited"))])
+    make_notebook(
+        notebooks,
+        "Task1_fails",
+        [at_exit.format(str(tmp_path / "failed-exited")), 'raise RuntimeError("boom")'],
+    )
+    assert run(notebooks, tmp_path / "results", jobs=2) == 1
+    statuses = [n["status"] for n in run_json(tmp_path / "results" / f"{LABEL}.partial")["notebooks"]]
+    assert statuses == ["ok", "failed"]
+    assert (tmp_path / "failed-exited").exists() and not (tmp_path / "clean-exited").exists()
+
+
 def test_a_run_keeps_each_notebooks_check_log(tmp_path):
     """Sessions log every check to <results>/checks/<notebook>.jsonl (trainmech.checks); a run keeps them
     beside the records, and --only keeps the other notebooks' logs."""

@@ -241,6 +241,9 @@ def test_replace_dir_swaps_whole_folders_and_rolls_back(tmp_path, monkeypatch):
 JOBS = pytest.mark.parametrize("jobs", [1, 2], ids=["jobs1", "jobs2"])
 
 
+LIMIT = 6  # seconds a notebook may run in the timeout test: its kernel starts and reaches the sleeping cell well within
+
+
 @JOBS
 def test_a_timeout_is_reported_as_timeout_and_the_others_still_run(tmp_path, jobs):
     notebooks = tmp_path / "notebooks"
@@ -250,7 +253,7 @@ def test_a_timeout_is_reported_as_timeout_and_the_others_still_run(tmp_path, job
     make_notebook(notebooks, "Task1_quick", ["print('quick')"])
     root = tmp_path / "results"
     t0 = time.monotonic()
-    assert run(notebooks, root, timeout=10, jobs=jobs) == 1
+    assert run(notebooks, root, timeout=LIMIT, jobs=jobs) == 1
     assert time.monotonic() - t0 < 60
     summary = run_json(root / f"{LABEL}.partial")
     slow, quick = summary["notebooks"]
@@ -258,10 +261,10 @@ def test_a_timeout_is_reported_as_timeout_and_the_others_still_run(tmp_path, job
     assert slow["status"] == "timeout"
     assert slow["error"] == {
         "ename": "Timeout",
-        "evalue": "the notebook ran past its limit of 10 s",
+        "evalue": f"the notebook ran past its limit of {LIMIT} s",
         "cell": 4,
     }
-    assert 10 <= slow["seconds"] < 40
+    assert LIMIT <= slow["seconds"] < LIMIT + 30
     assert quick["status"] == "ok"
     executed = nbformat.read(root / f"{LABEL}.partial" / "notebooks" / "Task0_slow.ipynb", as_version=4)
     assert executed.cells[3].outputs[0]["text"] == "start\n" and not executed.cells[5].get("outputs")

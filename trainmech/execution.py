@@ -126,18 +126,34 @@ def _error(e: BaseException, cell: int | None = None) -> dict[str, Any]:
 def notebook_client(nb: Any, path: Path, **options: Any) -> Any:
     """The nbclient client every headless execution uses (runner, refresh, portability): the
     notebook runs from its own folder with no execution timestamps, and its kernel talks over
-    encrypted sockets (CurveZMQ), as the project's .jupyter/ settings give JupyterLab's kernels."""
+    encrypted sockets (CurveZMQ), as the project's .jupyter/ settings give JupyterLab's kernels.
+
+    A kernel whose cells all ran without an error is killed at the end (nbclient's "immediate"
+    shutdown, as nbval does): by then it has written all it writes (records and check logs are
+    closed as they are written, outputs arrive before each cell's reply), and the interpreter's
+    own teardown with torch loaded costs about a second of CPU per notebook. After a cell error
+    the kernel shuts down gracefully, so that finalizers of what the notebook left behind (a
+    temporary folder whose cleanup cell it never reached) still run."""
     from nbclient import NotebookClient
     from traitlets.config import Config
 
-    return NotebookClient(
+    chained = options.pop("on_cell_error", None)
+    client = NotebookClient(
         nb,
         config=Config({"KernelManager": {"transport_encryption": "auto"}}),
         kernel_name="python3",
         record_timing=False,  # no execution timestamps: re-runs diff cleanly
         resources={"metadata": {"path": str(Path(path).parent)}},
+        shutdown_kernel="immediate",
         **options,
     )
+
+    def on_cell_error(**hook: Any) -> Any:
+        client.shutdown_kernel = "graceful"
+        return chained(**hook) if chained is not None else None
+
+    client.on_cell_error = on_cell_error
+    return client
 
 
 def execute_notebook(job: Job) -> tuple[str, dict | None]:
