@@ -289,7 +289,7 @@ def test_uneven_batch_supervises_unequal_counts_per_row():
     assert bool((batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all())
 
 
-def test_accumulation_experiment_reports_both_normalizations_and_record_fields():
+def test_gradient_accumulation_experiment_reports_both_normalizations_and_record_fields():
     from trainmech.session import start
 
     session = start("cpu", "scratch-tests", results_dir="/tmp/trainmech-test-unused")
@@ -298,7 +298,7 @@ def test_accumulation_experiment_reports_both_normalizations_and_record_fields()
         for w, spec in session.profile.workloads.items()
         if "TRAIN-GRADIENT-ACCUMULATION" in spec.experiments
     )
-    result = supervision.accumulation_experiment(session, wid, lr=1e-3, warmup=0, timed_windows=1)
+    result = supervision.gradient_accumulation_experiment(session, wid, lr=1e-3, warmup=0, timed_windows=1)
     assert max(result.errors("window_tokens")) <= 1e-6 < 1e-2 <= min(result.errors("micro_mean"))
     fields = result.record_fields()
     assert fields["effective_batch"]["supervised_tokens"] == result.effective_tokens

@@ -39,8 +39,8 @@ __all__ = [
     "token_weights",
     "count_tokens",
     "accumulate_gradients",
-    "AccumulationResult",
-    "accumulation_experiment",
+    "GradientAccumulationResult",
+    "gradient_accumulation_experiment",
 ]
 
 NORMALIZATIONS = ("window_tokens", "micro_mean")
@@ -123,7 +123,7 @@ def count_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> tuple[int, ...
 
 def accumulate_gradients(
     model: torch.nn.Module,
-    micro_batches: list[dict[str, torch.Tensor]],
+    accumulation_window: list[dict[str, torch.Tensor]],
     *,
     normalization: str = "window_tokens",
     micro_tokens: list[int] | tuple[int, ...] | None = None,
@@ -134,8 +134,8 @@ def accumulate_gradients(
 ) -> Window:
     """Forward and backward over one accumulation window, adding into every parameter's .grad.
 
-    micro_batches: dicts with input_ids, attention_mask, labels (B_i, T_i), on the model's
-    device. Each micro-batch's summed token loss is divided by its denominator (see
+    accumulation_window: its micro-batches, dicts with input_ids, attention_mask, labels
+    (B_i, T_i), on the model's device. Each micro-batch's summed token loss is divided by its denominator (see
     `denominators`) before backward, so after the call .grad holds the gradient of the window's
     loss. The caller zeroes .grad at the window's start (as `optimizer.zero_grad()` does).
     A window without any supervised token is refused before any forward: .grad stays as it was.
@@ -149,11 +149,11 @@ def accumulate_gradients(
     The returned loss is the unscaled window loss.
     """
     if micro_tokens is None:
-        micro_tokens = count_tokens(micro_batches)
+        micro_tokens = count_tokens(accumulation_window)
     micro_tokens = tuple(int(n) for n in micro_tokens)
     divisors = denominators(micro_tokens, normalization)  # refuses before touching .grad
     window_loss = None
-    for mb, divisor in zip(micro_batches, divisors):
+    for mb, divisor in zip(accumulation_window, divisors):
         with ExitStack() as stack:
             for context in contexts:
                 stack.enter_context(context(model))
@@ -174,7 +174,7 @@ def accumulate_gradients(
 
 
 @dataclass
-class AccumulationResult:
+class GradientAccumulationResult:
     """One gradient-accumulation workload: every split against the full batch, and the timed windows.
 
     rows: (micro-batches, normalization) -> (gradient rel error, |loss error|, tokens per micro-batch).
@@ -267,9 +267,9 @@ class AccumulationResult:
         )
 
 
-def accumulation_experiment(
+def gradient_accumulation_experiment(
     session, workload_id: str, *, lr: float, warmup: int, timed_windows: int
-) -> AccumulationResult:
+) -> GradientAccumulationResult:
     """The full batch against 2..n micro-batches under both normalizations, then timed AdamW updates.
 
     On a fresh model of the workload: the uneven batch's full-batch gradient is the reference for
@@ -311,7 +311,7 @@ def accumulation_experiment(
         reset_cuda_peaks(device)
         seconds = [timed(one_update, device)[1] for _ in range(timed_windows)]
         stats[n] = {**time_stats(seconds), **cuda_peaks(device), "base_allocated_bytes": base}
-    return AccumulationResult(
+    return GradientAccumulationResult(
         workload_id,
         w,
         built,
