@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from trainmech import graph
 from trainmech.checks import ClaimFailed, close, dtype_name
@@ -57,13 +57,7 @@ def _key(t: torch.Tensor) -> tuple[str, int]:
 
 def _flat_tensors(obj) -> list[torch.Tensor]:
     """Every tensor in a tensor / dict / list / tuple nest (e.g. a composed op's saved dict)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _flat_tensors(item)]
-    return []
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 def storage_summary(obj, references=()) -> tuple[int, int, int]:

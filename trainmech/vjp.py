@@ -17,6 +17,7 @@ raise ValueError with one sentence saying what is wrong and what is valid.
 import math
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "IGNORE_INDEX",
@@ -549,18 +550,6 @@ def swiglu_backward(saved, grad_out):
 # helpers: how many bytes a saved dict holds; one comparison line per tensor
 
 
-def _tensors(saved):
-    """Yield every tensor in a saved dict, descending into nested dicts / lists (composed ops)."""
-    if isinstance(saved, torch.Tensor):
-        yield saved
-    elif isinstance(saved, dict):
-        for value in saved.values():
-            yield from _tensors(value)
-    elif isinstance(saved, (list, tuple)):
-        for value in saved:
-            yield from _tensors(value)
-
-
 def saved_bytes(saved, *, exclude=()):
     """Bytes of the tensors in `saved` (a saved dict, or nested dicts/lists of them).
 
@@ -571,7 +560,9 @@ def saved_bytes(saved, *, exclude=()):
     """
     seen = {(t.data_ptr(), t.nbytes) for t in exclude}
     total = 0
-    for t in _tensors(saved):
+    for t in tree_leaves(saved):  # every leaf of the dict / list nest; options are leaves too
+        if not isinstance(t, torch.Tensor):
+            continue
         key = (t.data_ptr(), t.nbytes)
         if key not in seen:
             seen.add(key)

@@ -26,6 +26,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._pytree import tree_flatten_with_path
 
 from trainmech import vjp
 
@@ -309,6 +310,11 @@ def model_loss_backward(saved, grad_loss=1.0):
 # what was saved
 
 
+def _key_name(key) -> str:
+    """One step of a pytree key path: a dict's key, a list's index."""
+    return str(key.key if hasattr(key, "key") else key.idx)
+
+
 def saved_inventory(saved, prefix=""):
     """One row (name, shape, dtype, nbytes) per tensor in a (possibly composed) saved dict.
 
@@ -319,23 +325,16 @@ def saved_inventory(saved, prefix=""):
     (use vjp.saved_bytes(saved, exclude=model.parameters()) for activations only).
     """
     rows, first = [], {}
-
-    def walk(node, path):
-        if isinstance(node, torch.Tensor):
-            key = (node.data_ptr(), node.nbytes)
-            if key in first:
-                rows.append((f"{path} (= {first[key]})", tuple(node.shape), node.dtype, 0))
-            else:
-                first[key] = path
-                rows.append((path, tuple(node.shape), node.dtype, node.nbytes))
-        elif isinstance(node, dict):
-            for name, value in node.items():
-                walk(value, f"{path}.{name}" if path else str(name))
-        elif isinstance(node, (list, tuple)):
-            for i, value in enumerate(node):
-                walk(value, f"{path}.{i}" if path else str(i))
-
-    walk(saved, prefix)
+    for keys, node in tree_flatten_with_path(saved)[0]:  # dicts by key, lists by index, in order
+        if not isinstance(node, torch.Tensor):
+            continue
+        path = ".".join([prefix] * bool(prefix) + [_key_name(k) for k in keys])  # 'mlp.gate', 'layers.0.x'
+        key = (node.data_ptr(), node.nbytes)
+        if key in first:
+            rows.append((f"{path} (= {first[key]})", tuple(node.shape), node.dtype, 0))
+        else:
+            first[key] = path
+            rows.append((path, tuple(node.shape), node.dtype, node.nbytes))
     return rows
 
 
