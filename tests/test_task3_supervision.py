@@ -281,14 +281,6 @@ def test_precounted_empty_window_is_still_refused_before_any_forward():
     assert not calls
 
 
-def test_uneven_batch_supervises_unequal_counts_per_row():
-    batch = supervision.uneven_batch(4, 32)
-    assert batch["input_ids"].shape == (4, 32)
-    counts = [workload.supervised_tokens(batch["labels"][i : i + 1]) for i in range(4)]
-    assert len(set(counts)) == 4
-    assert bool((batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all())
-
-
 def test_gradient_accumulation_experiment_reports_both_normalizations_and_record_fields():
     from trainmech.session import start
 

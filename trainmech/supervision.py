@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from trainmech.checks import num, rel_error
 from trainmech.errors import TrainmechError
 from trainmech.measure import cuda_allocated, cuda_peaks, reset_cuda_peaks, time_stats, timed
-from trainmech.workload import IGNORE_INDEX, split_micro_batches, supervised_tokens, uneven_batch
+from trainmech.workload import IGNORE_INDEX, split_micro_batches, supervised_tokens, to_device, uneven_batch
 
 __all__ = [
     "NORMALIZATIONS",
@@ -280,7 +280,7 @@ def gradient_accumulation_experiment(
     w = session.workload(workload_id)
     built = session.build_model(w.model)
     model, device = built.model, session.device
-    batch = {k: v.to(device) for k, v in uneven_batch(w.batch, w.seq).items()}
+    batch = to_device(uneven_batch(w.batch, w.seq), device)
     model.zero_grad(set_to_none=True)
     reference = model(**batch)
     reference.loss.backward()
