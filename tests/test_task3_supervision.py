@@ -296,3 +296,6 @@ def test_gradient_accumulation_experiment_reports_both_normalizations_and_record
     assert fields["effective_batch"]["supervised_tokens"] == result.effective_tokens
     assert fields["resources"]["peak_allocated_bytes"] is None  # not measured on a CPU
     assert "peaks: not measured on CPU" in result.peak_lines("reference")
+    table = result.table().splitlines()  # a title, the header, its rule, one row per split
+    assert len(table) == 3 + len(result.rows) and table[1].startswith("micro-batches")
+    assert all(("≤ 1e-6" in line) == ("window_tokens" in line) for line in table[3:])

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from trainmech.checks import num, rel_error
+from trainmech.display import format_table
 from trainmech.errors import TrainmechError
 from trainmech.measure import cuda_allocated, cuda_peaks, reset_cuda_peaks, time_stats, timed
 from trainmech.workload import IGNORE_INDEX, split_micro_batches, supervised_tokens, to_device, uneven_batch
@@ -195,22 +196,21 @@ class GradientAccumulationResult:
         return [rel for (_, norm), (rel, _, _) in self.rows.items() if norm == normalization]
 
     def table(self) -> str:
-        """The splits as printed lines: window_tokens as a verdict (≤ 1e-6), micro_mean with 2 digits."""
-        lines = [
+        """The splits as a table: window_tokens as a verdict (≤ 1e-6, ≤ 1e-5), micro_mean with 2 digits."""
+        rows = []
+        for (n, norm), (rel, dloss, tokens) in self.rows.items():
+            if norm != "window_tokens":
+                rows.append([n, list(tokens), norm, num(rel, 2), num(dloss, 1)])
+            elif rel <= 1e-6 and dloss <= 1e-5:
+                rows.append([n, list(tokens), norm, "≤ 1e-6", "≤ 1e-5"])
+            else:
+                rows.append([n, list(tokens), norm, f"{rel:.1e}", f"{dloss:.1e}"])
+        head = (
             f"{self.workload_id}: effective batch = {self.workload.batch} sequences, {self.effective_tokens} "
             "supervised tokens, whatever the split"
-        ]
-        for (n, norm), (rel, dloss, tokens) in self.rows.items():
-            head = f"  {n} micro-batches {str(tokens):<18} {norm:<13}"
-            if norm == "window_tokens":
-                ok = rel <= 1e-6 and dloss <= 1e-5
-                lines.append(
-                    f"{head} grad rel error "
-                    + ("≤ 1e-6  loss Δ ≤ 1e-5" if ok else f"{rel:.1e}  loss Δ {dloss:.1e}")
-                )
-            else:
-                lines.append(f"{head} grad rel error {num(rel, 2):<7} loss Δ {num(dloss, 1)}")
-        return "\n".join(lines)
+        )
+        header = ["micro-batches", "supervised tokens each", "normalization", "grad rel error", "loss Δ"]
+        return head + "\n" + format_table(header, rows)
 
     def peak_lines(self, reference: str) -> str:
         """CUDA: peaks and times per split next to the registry's reference; CPU: one sentence."""
