@@ -97,3 +97,12 @@ def test_format_table_aligns_columns():
         "a      1,234,567  1      True",
         "bb             5  x      False",
     ]
+    # numbers already printed as strings (checks.num, f"{x:.2e}") align like numbers; words do not
+    text = display.format_table(["x", "name"], [["0.125", "a"], ["-1.5e-05", "nan or not"], ["12", "b"]])
+    assert text.splitlines() == [
+        "x         name",
+        "--------  ----------",
+        "   0.125  a",
+        "-1.5e-05  nan or not",
+        "      12  b",
+    ]

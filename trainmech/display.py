@@ -159,16 +159,28 @@ def progress(iterable: Iterable, *, desc: str = "", total: int | None = None, un
     )
 
 
+def _is_number(cell) -> bool:
+    """An int or float (not a bool), or a string that reads as one: what `checks.num` or f"{x:.2e}" print."""
+    if isinstance(cell, str):
+        try:
+            float(cell.replace(",", ""))
+        except ValueError:
+            return False
+        return True
+    return isinstance(cell, (int, float)) and not isinstance(cell, bool)
+
+
 def format_table(header: list[str], rows: list[list]) -> str:
-    """A plain-text table with columns padded to their widest cell (numbers right-aligned)."""
+    """A plain-text table with columns padded to their widest cell.
+
+    Integers get thousands separators; a column whose cells are all numbers (or numbers already
+    printed as strings) is right-aligned, any other column left-aligned; headers always left.
+    """
     cells = [[str(c) for c in header]] + [
         [f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else str(c) for c in row] for row in rows
     ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [
-        all(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in rows)
-        for i in range(len(header))
-    ]
+    numeric = [all(_is_number(row[i]) for row in rows) for i in range(len(header))]
     lines = []
     for j, r in enumerate(cells):
         lines.append(
