@@ -79,6 +79,13 @@ once (longest first); failures, timeouts, interruption and replacement behave as
 """
 
 
+def _command(sub, name: str, help_text: str, description: str, *options: tuple[str, dict]) -> None:
+    """A subcommand with its one-line help, its description and its options (flag, add_argument's keywords)."""
+    command = sub.add_parser(name, help=help_text, description=description)
+    for flag, keywords in options:
+        command.add_argument(flag, **keywords)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="python -m trainmech",
@@ -86,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(
-        dest="command", metavar="{run,registry,lint,refresh,ledger,portability,gpu-check}"
+        dest="command", metavar="{run,registry,lint,refresh,ledger,portability,gpu-check,twins}"
     )
 
     run = sub.add_parser(
@@ -143,32 +150,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--quiet", action="store_true", help="no progress lines")
 
-    reg = sub.add_parser(
+    _command(
+        sub,
         "registry",
-        help="print the registry table from a run's records",
-        description="Render the experiment registry from the records of results/<label>/.",
+        "print the registry table from a run's records",
+        "Render the experiment registry from the records of results/<label>/.",
+        ("--label", dict(default="cpu-reference", help="which run under results/ (default: cpu-reference)")),
     )
-    reg.add_argument(
-        "--label", default="cpu-reference", help="which run under results/ (default: cpu-reference)"
-    )
-
-    ref = sub.add_parser(
+    _command(
+        sub,
         "refresh",
-        help="re-execute notebooks in place (maintainers)",
-        description="Re-execute the committed notebooks with their default parameters (CPU) and store the outputs that nbval compares against.",
+        "re-execute notebooks in place (maintainers)",
+        "Re-execute the committed notebooks with their default parameters (CPU) and store the outputs that "
+        "nbval compares against.",
+        ("--only", dict(nargs="+", metavar="TaskN", help="refresh only these notebooks")),
     )
-    ref.add_argument("--only", nargs="+", metavar="TaskN", help="refresh only these notebooks")
-
     for name, (_, help_text) in OWN_PARSERS.items():
         sub.add_parser(name, add_help=False, help=help_text)
-
-    lint = sub.add_parser(
+    _command(
+        sub,
         "lint",
-        help="glossary and prose rules",
-        description="Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.",
-    )
-    lint.add_argument(
-        "--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first"
+        "glossary and prose rules",
+        "Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.",
+        (
+            "--write-glossary",
+            dict(action="store_true", help="regenerate notebooks/reference/glossary.md first"),
+        ),
     )
     return parser
 
