@@ -16,18 +16,7 @@ from trainmech.errors import TrainmechError
 pytestmark = pytest.mark.task3
 
 SHAPES = st.sampled_from(update.SCHEDULE_SHAPES)
-
-
-def wsd_args(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type) -> dict:
-    """wsd_multiplier's keyword arguments."""
-    return dict(
-        warmup_steps=warmup,
-        stable_steps=stable,
-        decay_steps=decay,
-        min_lr_ratio=min_lr_ratio,
-        warmup_type=warmup_type,
-        decay_type=decay_type,
-    )
+WSD_KEYS = ("warmup_steps", "stable_steps", "decay_steps", "min_lr_ratio", "warmup_type", "decay_type")
 
 
 # ---------------------------------------------------------------- the update clock
@@ -68,7 +57,7 @@ def test_step_if_finite_skips_a_nan_gradient_and_leaves_everything_unchanged():
     st.integers(0, 6), st.integers(0, 6), st.integers(0, 6), st.sampled_from([0.0, 0.1, 0.25]), SHAPES, SHAPES
 )
 def test_wsd_equals_transformers_at_every_step(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type):
-    kw = wsd_args(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type)
+    kw = dict(zip(WSD_KEYS, (warmup, stable, decay, min_lr_ratio, warmup_type, decay_type)))
     steps = warmup + stable + decay + 3
     assert [update.wsd_multiplier(step, **kw) for step in range(steps)] == update.transformers_wsd(
         steps, **kw
@@ -77,7 +66,7 @@ def test_wsd_equals_transformers_at_every_step(warmup, stable, decay, min_lr_rat
 
 @given(st.integers(1, 8), st.integers(1, 8), st.integers(2, 8), st.sampled_from([0.0, 0.1]), SHAPES, SHAPES)
 def test_wsd_boundaries(warmup, stable, decay, floor, warmup_type, decay_type):
-    kw = wsd_args(warmup, stable, decay, floor, warmup_type, decay_type)
+    kw = dict(zip(WSD_KEYS, (warmup, stable, decay, floor, warmup_type, decay_type)))
 
     def m(s):
         return update.wsd_multiplier(s, **kw)

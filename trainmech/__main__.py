@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from trainmech.errors import OneLineParser, TrainmechError
+from trainmech.errors import OneLineParser, TrainmechError, refuse
 
 DESCRIPTION = """\
 trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanics).
@@ -223,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     except TrainmechError as e:
-        print(f"trainmech: error: {e}", file=sys.stderr)
-        return 2
+        return refuse(e)
     except KeyboardInterrupt as e:  # runner.Interrupted carries the signal's exit code
         print(f"trainmech: interrupted ({e or 'SIGINT'}); results/ is unchanged", file=sys.stderr)
         return getattr(e, "exit_code", 130)

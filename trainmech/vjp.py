@@ -268,13 +268,8 @@ def cross_entropy_forward(logits, targets, ignore_index=IGNORE_INDEX, reduction=
     picked = logp.gather(1, safe[:, None])[:, 0]  # (N,) log-probability of the target class
     losses = torch.where(valid, -picked, 0)  # (N,) -log p[target]; 0 where ignored
     loss = losses.sum() / n_valid if reduction == "mean" else losses.sum()  # ()
-    saved = {
-        "probs": probs,
-        "targets": targets,
-        "ignore_index": ignore_index,
-        "reduction": reduction,
-        "n_valid": n_valid,
-    }
+    saved = {"probs": probs, "targets": targets}  # (N, V), (N,)
+    saved |= {"ignore_index": ignore_index, "reduction": reduction, "n_valid": n_valid}  # plain options
     return loss, saved
 
 
