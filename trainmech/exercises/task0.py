@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trainmech.exercises import _exercise, _randn, _Run, _tensor, _tuple
+from trainmech.exercises.harness import _exercise, _randn, _Run, _tensor, _tuple
 
 
 @_exercise("task0.sgd_momentum_update", "手写带动量和权重衰减的 SGD 更新")

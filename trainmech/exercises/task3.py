@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from trainmech.exercises import _exercise, _fmt_index, _Run, _tensor, _tiny_model, _tuple, _Wrong
+from trainmech.exercises.harness import _exercise, _fmt_index, _Run, _tensor, _tiny_model, _tuple, _Wrong
 
 
 @_exercise("task3.streaming_window", "流式的累计窗口：先累加 Token 损失之和，最后把 .grad 除以 N")
