@@ -15,10 +15,17 @@ Numerics follow the installed transformers' Qwen2 modules, with one deliberate d
 computes RMSNorm, the eager softmax and the loss in float32 even when the model is float64, so a
 float64 HF model is only float32-accurate there; here float64 stays float64 (lower precisions are
 upcast to float32 exactly as HF does). `hf_float64_reference` and `causal_lm_loss` remove those
-islands from the real modules, so that they can serve as a float64 reference; FLOAT32_ISLANDS lists all
-four (RoPE's float32 angles stay: they are an input both sides share) and `float32_island_gaps` measures them. Not supported (refused with ValueError): padding masks,
-sliding-window layers, RoPE types other than "default", activations other than silu, attention
-dropout.
+islands from the real modules, so that they can serve as a float64 reference; FLOAT32_ISLANDS lists
+all four (RoPE's float32 angles stay: they are an input both sides share) and `float32_island_gaps`
+measures them.
+
+Patched at run time: inside `hf_float64_reference` (and `float32_island_gaps`, which uses it),
+transformers' `modeling_qwen2.Qwen2RMSNorm.forward` and `modeling_qwen2.eager_attention_forward`
+are replaced process-wide, for every Qwen2 model and thread, until the block exits (also on an
+exception). Nothing else here changes state outside its arguments.
+
+Not supported (refused with ValueError): padding masks, sliding-window layers, RoPE types other
+than "default", activations other than silu, attention dropout.
 """
 
 import contextlib
