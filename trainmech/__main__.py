@@ -8,6 +8,8 @@ import sys
 
 from trainmech.errors import OneLineParser, TrainmechError, refuse
 
+__all__ = ["DESCRIPTION", "OWN_PARSERS", "RUN_DESCRIPTION", "build_parser", "main"]
+
 DESCRIPTION = """\
 trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanics).
 

@@ -6,6 +6,8 @@ import torch
 
 from trainmech.exercises.harness import _exercise, _randn, _Run, _tensor, _tuple
 
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
+
 
 @_exercise("task0.sgd_momentum_update", "手写带动量和权重衰减的 SGD 更新")
 def _task0_sgd(run: _Run) -> None:

@@ -6,6 +6,8 @@ import torch
 
 from trainmech.exercises.harness import _autograd_vjp, _exercise, _randn, _Run, _tensor, _tuple
 
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
+
 
 @_exercise("task1.residual_vjp", "残差分支 y = x + tanh(Wx) 的 VJP")
 def _task1_residual(run: _Run) -> None:

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from trainmech.exercises.harness import _autograd_vjp, _exercise, _randn, _Run, _tensor, _tuple
 
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
+
 
 @_exercise("task2.rms_norm_backward", "手写 RMSNorm 的反向")
 def _task2_rms(run: _Run) -> None:

@@ -7,6 +7,8 @@ import torch
 
 from trainmech.exercises.harness import _exercise, _fmt_index, _Run, _tensor, _tiny_model, _tuple, _Wrong
 
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
+
 
 @_exercise("task3.streaming_window", "流式的累计窗口：先累加 Token 损失之和，最后把 .grad 除以 N")
 def _task3_window(run: _Run) -> None:
