@@ -213,3 +213,11 @@ def test_registry_lists_invalid_records_and_exits_1(capsys, monkeypatch, tmp_pat
     assert out.rstrip().endswith(
         "`TRAIN-LOOP__cpu-loop.json`: record TRAIN-LOOP__cpu-loop.json is not readable JSON (nested too deeply)"
     )
+
+
+def test_refuse_prints_one_line_and_returns_2(capsys):
+    from trainmech.errors import TrainmechError, refuse
+
+    assert refuse(TrainmechError("no run labelled 'x'\n  under results/")) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", "trainmech: error: no run labelled 'x' under results/\n")

@@ -81,3 +81,28 @@ def test_progress_in_a_kernel_bar_for_jupyterlab_nothing_for_the_runner():
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in lab.outputs[1:]), (
         lab.outputs
     )
+
+
+def test_format_table_aligns_columns():
+    text = display.format_table(["op", "bytes"], [["linear", 8192], ["softmax", 128]])
+    assert text.splitlines() == ["op       bytes", "-------  -----", "linear   8,192", "softmax    128"]
+    # a column is as wide as its widest cell or header; only all-number columns are right-aligned
+    # (booleans are not numbers here), headers always left
+    text = display.format_table(
+        ["layer", "n", "mixed", "ok"], [["a", 1234567, 1, True], ["bb", 5, "x", False]]
+    )
+    assert text.splitlines() == [
+        "layer  n          mixed  ok",
+        "-----  ---------  -----  -----",
+        "a      1,234,567  1      True",
+        "bb             5  x      False",
+    ]
+    # numbers already printed as strings (checks.num, f"{x:.2e}") align like numbers; words do not
+    text = display.format_table(["x", "name"], [["0.125", "a"], ["-1.5e-05", "nan or not"], ["12", "b"]])
+    assert text.splitlines() == [
+        "x         name",
+        "--------  ----------",
+        "   0.125  a",
+        "-1.5e-05  nan or not",
+        "      12  b",
+    ]

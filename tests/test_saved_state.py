@@ -108,19 +108,3 @@ def test_task2_measurement_names_modules_and_our_functions():
         _, saved = vjp.silu_forward(x)
     assert {a.where for a in m.activations} == {"silu_forward"}
     assert not any(a.saved for a in m.activations_saved_by(saved))  # silu keeps its input, made before
-
-
-def test_task2_format_table_aligns_columns():
-    text = saved_state.format_table(["op", "bytes"], [["linear", 8192], ["softmax", 128]])
-    assert text.splitlines() == ["op       bytes", "-------  -----", "linear   8,192", "softmax    128"]
-    # a column is as wide as its widest cell or header; only all-number columns are right-aligned
-    # (booleans are not numbers here), headers always left
-    text = saved_state.format_table(
-        ["layer", "n", "mixed", "ok"], [["a", 1234567, 1, True], ["bb", 5, "x", False]]
-    )
-    assert text.splitlines() == [
-        "layer  n          mixed  ok",
-        "-----  ---------  -----  -----",
-        "a      1,234,567  1      True",
-        "bb             5  x      False",
-    ]

@@ -281,15 +281,7 @@ def test_precounted_empty_window_is_still_refused_before_any_forward():
     assert not calls
 
 
-def test_uneven_batch_supervises_unequal_counts_per_row():
-    batch = supervision.uneven_batch(4, 32)
-    assert batch["input_ids"].shape == (4, 32)
-    counts = [workload.supervised_tokens(batch["labels"][i : i + 1]) for i in range(4)]
-    assert len(set(counts)) == 4
-    assert bool((batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all())
-
-
-def test_accumulation_experiment_reports_both_normalizations_and_record_fields():
+def test_gradient_accumulation_experiment_reports_both_normalizations_and_record_fields():
     from trainmech.session import start
 
     session = start("cpu", "scratch-tests", results_dir="/tmp/trainmech-test-unused")
@@ -298,9 +290,12 @@ def test_accumulation_experiment_reports_both_normalizations_and_record_fields()
         for w, spec in session.profile.workloads.items()
         if "TRAIN-GRADIENT-ACCUMULATION" in spec.experiments
     )
-    result = supervision.accumulation_experiment(session, wid, lr=1e-3, warmup=0, timed_windows=1)
+    result = supervision.gradient_accumulation_experiment(session, wid, lr=1e-3, warmup=0, timed_windows=1)
     assert max(result.errors("window_tokens")) <= 1e-6 < 1e-2 <= min(result.errors("micro_mean"))
     fields = result.record_fields()
     assert fields["effective_batch"]["supervised_tokens"] == result.effective_tokens
     assert fields["resources"]["peak_allocated_bytes"] is None  # not measured on a CPU
     assert "peaks: not measured on CPU" in result.peak_lines("reference")
+    table = result.table().splitlines()  # a title, the header, its rule, one row per split
+    assert len(table) == 3 + len(result.rows) and table[1].startswith("micro-batches")
+    assert all(("≤ 1e-6" in line) == ("window_tokens" in line) for line in table[3:])

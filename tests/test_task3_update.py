@@ -16,23 +16,7 @@ from trainmech.errors import TrainmechError
 pytestmark = pytest.mark.task3
 
 SHAPES = st.sampled_from(update.SCHEDULE_SHAPES)
-
-
-def transformers_lambda(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type):
-    """transformers' own WSD multiplier, read from the LambdaLR it builds (no stepping needed)."""
-    from transformers import get_wsd_schedule
-
-    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    sched = get_wsd_schedule(
-        dummy,
-        num_warmup_steps=warmup,
-        num_stable_steps=stable,
-        num_decay_steps=decay,
-        warmup_type=warmup_type,
-        decay_type=decay_type,
-        min_lr_ratio=min_lr_ratio,
-    )
-    return sched.lr_lambdas[0]
+WSD_KEYS = ("warmup_steps", "stable_steps", "decay_steps", "min_lr_ratio", "warmup_type", "decay_type")
 
 
 # ---------------------------------------------------------------- the update clock
@@ -73,29 +57,16 @@ def test_step_if_finite_skips_a_nan_gradient_and_leaves_everything_unchanged():
     st.integers(0, 6), st.integers(0, 6), st.integers(0, 6), st.sampled_from([0.0, 0.1, 0.25]), SHAPES, SHAPES
 )
 def test_wsd_equals_transformers_at_every_step(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type):
-    theirs = transformers_lambda(warmup, stable, decay, min_lr_ratio, warmup_type, decay_type)
-    kw = dict(
-        warmup_steps=warmup,
-        stable_steps=stable,
-        decay_steps=decay,
-        min_lr_ratio=min_lr_ratio,
-        warmup_type=warmup_type,
-        decay_type=decay_type,
+    kw = dict(zip(WSD_KEYS, (warmup, stable, decay, min_lr_ratio, warmup_type, decay_type)))
+    steps = warmup + stable + decay + 3
+    assert [update.wsd_multiplier(step, **kw) for step in range(steps)] == update.transformers_wsd(
+        steps, **kw
     )
-    for step in range(warmup + stable + decay + 3):
-        assert update.wsd_multiplier(step, **kw) == theirs(step), step
 
 
 @given(st.integers(1, 8), st.integers(1, 8), st.integers(2, 8), st.sampled_from([0.0, 0.1]), SHAPES, SHAPES)
 def test_wsd_boundaries(warmup, stable, decay, floor, warmup_type, decay_type):
-    kw = dict(
-        warmup_steps=warmup,
-        stable_steps=stable,
-        decay_steps=decay,
-        min_lr_ratio=floor,
-        warmup_type=warmup_type,
-        decay_type=decay_type,
-    )
+    kw = dict(zip(WSD_KEYS, (warmup, stable, decay, floor, warmup_type, decay_type)))
 
     def m(s):
         return update.wsd_multiplier(s, **kw)
@@ -257,11 +228,6 @@ def test_flat_grads_counts_a_tied_weight_once():
     assert update.flat_grads(model).shape == (9,)
 
 
-def test_transformers_wsd_is_wsd_multiplier():
-    wsd = dict(warmup_steps=3, stable_steps=4, decay_steps=5, min_lr_ratio=0.1)
-    assert update.transformers_wsd(15, **wsd) == [update.wsd_multiplier(s, **wsd) for s in range(15)]
-
-
 def test_replay_on_effective_updates_reads_the_clock():
     wsd = dict(warmup_steps=2, stable_steps=3, decay_steps=3, min_lr_ratio=0.1)
     stepped = [True, False, True, True, False, True, True, True, True]
@@ -270,6 +236,7 @@ def test_replay_on_effective_updates_reads_the_clock():
         expected.append(1e-3 * update.wsd_multiplier(clock, **wsd))
         clock += s
     assert update.replay_schedule(stepped, int, 1e-3, **wsd) == expected
+    assert update.logged_steps(stepped) == [1, 1, 2, 3, 3, 4, 5, 6, 7]
 
 
 def _tiny_lm():

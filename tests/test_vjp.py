@@ -27,6 +27,7 @@ FAST = settings(max_examples=25, deadline=None)
 seeds = st.integers(0, 2**31 - 1)
 scales = st.sampled_from([1e-2, 1.0, 5.0])
 small = st.integers(1, 5)
+leads = st.lists(small, min_size=0, max_size=3)  # leading (batch-like) dimensions, 0 to 3 of them
 
 
 def randn(gen, *shape, scale=1.0):
@@ -82,7 +83,7 @@ def tensor_names(saved):
 @FAST
 @given(
     seed=seeds,
-    lead=st.lists(small, min_size=0, max_size=3),
+    lead=leads,
     n_in=small,
     n_out=small,
     with_bias=st.booleans(),
@@ -185,13 +186,7 @@ def test_task2_cross_entropy_matches_autograd_masked(
 
 @FAST
 # C >= 2: with one channel the normalised output is constant, its true gradient is 0 and only rounding noise is left
-@given(
-    seed=seeds,
-    lead=st.lists(small, min_size=0, max_size=3),
-    C=st.integers(2, 8),
-    scale=scales,
-    eps=st.sampled_from([1e-6, 1e-5, 0.1]),
-)
+@given(seed=seeds, lead=leads, C=st.integers(2, 8), scale=scales, eps=st.sampled_from([1e-6, 1e-5, 0.1]))
 def test_task2_rms_norm_matches_autograd(seed, lead, C, scale, eps):
     g = torch.Generator().manual_seed(seed)
     x, w = randn(g, *lead, C, scale=scale), 1 + randn(g, C, scale=0.5)
@@ -204,13 +199,7 @@ def test_task2_rms_norm_matches_autograd(seed, lead, C, scale, eps):
 @FAST
 # C >= 3: with C <= 2 the centred, normalised row is (nearly) constant, its true gradient is ~0 and only
 # rounding noise is left to compare
-@given(
-    seed=seeds,
-    lead=st.lists(small, min_size=0, max_size=3),
-    C=st.integers(3, 8),
-    scale=scales,
-    with_bias=st.booleans(),
-)
+@given(seed=seeds, lead=leads, C=st.integers(3, 8), scale=scales, with_bias=st.booleans())
 def test_task2_layer_norm_matches_autograd(seed, lead, C, scale, with_bias):
     g = torch.Generator().manual_seed(seed)
     x, w = randn(g, *lead, C, scale=scale), 1 + randn(g, C, scale=0.5)

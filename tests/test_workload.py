@@ -316,3 +316,18 @@ def test_local_weights_refuses_a_folder_without_config_json(qwen_spec, tmp_path)
         workload.local_weights(qwen_spec, tmp_path)
     (tmp_path / "config.json").write_text("{}", encoding="utf-8")
     assert workload.local_weights(qwen_spec, tmp_path) == tmp_path
+
+
+def test_uneven_batch_supervises_unequal_counts_per_row():
+    batch = workload.uneven_batch(4, 32)
+    assert batch["input_ids"].shape == (4, 32)
+    counts = [workload.supervised_tokens(batch["labels"][i : i + 1]) for i in range(4)]
+    assert len(set(counts)) == 4
+    assert bool((batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all())
+
+
+def test_to_device_moves_every_tensor_and_keeps_the_keys():
+    batch = workload.lm_batch("domain", 2, 8)
+    moved = workload.to_device(batch, "meta")
+    assert list(moved) == list(batch) and all(v.device.type == "meta" for v in moved.values())
+    assert all(moved[k].shape == v.shape and moved[k].dtype == v.dtype for k, v in batch.items())

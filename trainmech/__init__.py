@@ -2,6 +2,10 @@
 
 Importing it makes the whole process offline for Hugging Face libraries: nothing is downloaded
 at run time (models are built from configurations, the tokenizer from shipped text).
+
+Process state set here, on import: `os.environ` gets HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1
+(whatever they were) and HF_HUB_DISABLE_TELEMETRY=1 (unless set), for this process and every
+process it starts. Nothing else changes on import (see README, maintainers' section).
 """
 
 import os

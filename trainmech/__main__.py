@@ -6,7 +6,9 @@ import argparse
 import importlib
 import sys
 
-from trainmech.errors import OneLineParser, TrainmechError
+from trainmech.errors import OneLineParser, TrainmechError, refuse
+
+__all__ = ["DESCRIPTION", "OWN_PARSERS", "RUN_DESCRIPTION", "build_parser", "main"]
 
 DESCRIPTION = """\
 trainmech — 反向传播与训练机制 (Backpropagation and Training Mechanics).
@@ -79,6 +81,13 @@ once (longest first); failures, timeouts, interruption and replacement behave as
 """
 
 
+def _command(sub, name: str, help_text: str, description: str, *options: tuple[str, dict]) -> None:
+    """A subcommand with its one-line help, its description and its options (flag, add_argument's keywords)."""
+    command = sub.add_parser(name, help=help_text, description=description)
+    for flag, keywords in options:
+        command.add_argument(flag, **keywords)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="python -m trainmech",
@@ -86,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(
-        dest="command", metavar="{run,registry,lint,refresh,ledger,portability,gpu-check}"
+        dest="command", metavar="{run,registry,lint,refresh,ledger,portability,gpu-check,twins}"
     )
 
     run = sub.add_parser(
@@ -143,32 +152,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--quiet", action="store_true", help="no progress lines")
 
-    reg = sub.add_parser(
+    _command(
+        sub,
         "registry",
-        help="print the registry table from a run's records",
-        description="Render the experiment registry from the records of results/<label>/.",
+        "print the registry table from a run's records",
+        "Render the experiment registry from the records of results/<label>/.",
+        ("--label", dict(default="cpu-reference", help="which run under results/ (default: cpu-reference)")),
     )
-    reg.add_argument(
-        "--label", default="cpu-reference", help="which run under results/ (default: cpu-reference)"
-    )
-
-    ref = sub.add_parser(
+    _command(
+        sub,
         "refresh",
-        help="re-execute notebooks in place (maintainers)",
-        description="Re-execute the committed notebooks with their default parameters (CPU) and store the outputs that nbval compares against.",
+        "re-execute notebooks in place (maintainers)",
+        "Re-execute the committed notebooks with their default parameters (CPU) and store the outputs that "
+        "nbval compares against.",
+        ("--only", dict(nargs="+", metavar="TaskN", help="refresh only these notebooks")),
     )
-    ref.add_argument("--only", nargs="+", metavar="TaskN", help="refresh only these notebooks")
-
     for name, (_, help_text) in OWN_PARSERS.items():
         sub.add_parser(name, add_help=False, help=help_text)
-
-    lint = sub.add_parser(
+    _command(
+        sub,
         "lint",
-        help="glossary and prose rules",
-        description="Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.",
-    )
-    lint.add_argument(
-        "--write-glossary", action="store_true", help="regenerate notebooks/reference/glossary.md first"
+        "glossary and prose rules",
+        "Lint notebook markdown and notebooks/reference/*.md against the glossary's writing rules.",
+        (
+            "--write-glossary",
+            dict(action="store_true", help="regenerate notebooks/reference/glossary.md first"),
+        ),
     )
     return parser
 
@@ -216,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     except TrainmechError as e:
-        print(f"trainmech: error: {e}", file=sys.stderr)
-        return 2
+        return refuse(e)
     except KeyboardInterrupt as e:  # runner.Interrupted carries the signal's exit code
         print(f"trainmech: interrupted ({e or 'SIGINT'}); results/ is unchanged", file=sys.stderr)
         return getattr(e, "exit_code", 130)

@@ -4,6 +4,8 @@ Flags say what was asked for; forward hooks say what ran. `activation_dtypes` re
 of every output a module kind produced, which is how a notebook tells FP16 from a silent FP32.
 `scaled_step` runs GradScaler's update and reports whether the optimizer really stepped: the
 scaler backs the scale off exactly when it found an inf or NaN, and only then skips the step.
+`fresh_accelerator` resets accelerate's process-wide state (AcceleratorState, GradientState) before
+it builds an Accelerator: an Accelerator made earlier in the process no longer holds.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ result really changes.
 
 Every check also goes to the run's check log (`log_checks_to`): the statement, the value and the
 limit it was compared with. `python -m trainmech portability` compares those logs across numeric
-paths to measure each claim's margin against the spread of its value.
+paths to measure each claim's margin against the spread of its value. The log's path is module
+state: `log_checks_to` (which `session.start` calls) sets it for every later check in the process.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@
   or their own file), skipping trainmech, the standard library and installed packages.
 - `progress(iterable)`: a notebook progress bar in JupyterLab; a text bar in a terminal; nothing
   where outputs are recorded (the headless runner, nbval), so committed outputs never hold times.
+- `format_table(header, rows)`: the plain-text table every printed table uses (columns padded to
+  their widest cell, all-number columns right-aligned, integers with thousands separators).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "ShortTraceback",
     "progress_mode",
     "progress",
+    "format_table",
 ]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -154,3 +157,37 @@ def progress(iterable: Iterable, *, desc: str = "", total: int | None = None, un
     return tqdm(
         iterable, desc=desc or None, total=total, unit=unit, file=None if mode == "bar" else sys.stderr
     )
+
+
+def _is_number(cell) -> bool:
+    """An int or float (not a bool), or a string that reads as one: what `checks.num` or f"{x:.2e}" print."""
+    if isinstance(cell, str):
+        try:
+            float(cell.replace(",", ""))
+        except ValueError:
+            return False
+        return True
+    return isinstance(cell, (int, float)) and not isinstance(cell, bool)
+
+
+def format_table(header: list[str], rows: list[list]) -> str:
+    """A plain-text table with columns padded to their widest cell.
+
+    Integers get thousands separators; a column whose cells are all numbers (or numbers already
+    printed as strings) is right-aligned, any other column left-aligned; headers always left.
+    """
+    cells = [[str(c) for c in header]] + [
+        [f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else str(c) for c in row] for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    numeric = [all(_is_number(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for j, r in enumerate(cells):
+        lines.append(
+            "  ".join(
+                c.rjust(w) if numeric[i] and j else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+            ).rstrip()
+        )
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

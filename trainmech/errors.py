@@ -10,7 +10,7 @@ import sys
 
 from trainmech.display import ShortTraceback
 
-__all__ = ["TrainmechError", "OneLineParser"]
+__all__ = ["TrainmechError", "OneLineParser", "refuse"]
 
 
 class TrainmechError(ShortTraceback, ValueError):
@@ -21,5 +21,10 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse with the package's refusal style: a usage error is one `trainmech: error:` line, exit 2."""
 
     def error(self, message: str):
-        print(f"trainmech: error: {' '.join(message.split())}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(refuse(message))
+
+
+def refuse(error: TrainmechError | str) -> int:
+    """Print a refusal as the command line does, one `trainmech: error:` line on stderr; returns exit code 2."""
+    print(f"trainmech: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return 2

@@ -31,7 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -186,21 +186,8 @@ def run(
         staging = root / f".staging-{run_label}-{os.getpid()}"
         try:
             _new_staging(root, run_label, staging)
-            return _run_in(
-                staging,
-                signals,
-                profile,
-                run_label,
-                notebooks,
-                planned,
-                only,
-                timeout,
-                jobs,
-                root,
-                previous,
-                progress,
-                allow_errors,
-            )
+            plan = _Plan(profile, run_label, notebooks, planned, bool(only), timeout, jobs, root, previous)
+            return _run_in(staging, signals, plan, progress=progress, allow_errors=allow_errors)
         except BaseException:
             signals.holding = True  # a second Ctrl-C must not cut the cleanup short
             shutil.rmtree(staging, ignore_errors=True)
@@ -233,31 +220,32 @@ def _new_staging(root: Path, label: str, staging: Path) -> None:
         raise TrainmechError(f"cannot write into {root} ({e.strerror}); no notebook was run") from None
 
 
-def _run_in(
-    staging,
-    signals,
-    profile,
-    run_label,
-    notebooks,
-    planned,
-    only,
-    timeout,
-    jobs,
-    root,
-    previous,
-    progress,
-    allow_errors,
-) -> int:
+@dataclass(frozen=True)
+class _Plan:
+    """What `run` settled before writing anything: the notebooks to execute and where the run goes."""
+
+    profile: profiles.Profile
+    run_label: str
+    notebooks: list[Path]  # in Task order
+    planned: dict[str, dict[str, Any]]  # notebook stem -> its parameter overrides
+    only: bool  # a run of some notebooks (--only), merged into the label's last run
+    timeout: float  # seconds per cell
+    jobs: int | None  # --jobs, None: execution.choose_jobs decides
+    root: Path  # the results folder
+    previous: dict | None  # with only: the run.json merged into
+
+
+def _run_in(staging: Path, signals: Signals, plan: _Plan, *, progress: bool, allow_errors: bool) -> int:
     """The run itself, built in staging, then moved to results/<label>/ or results/<label>.partial/."""
-    target = root / run_label
-    last = previous or _last_summary(target)  # what the label's last run measured: times, memory
-    n_jobs, note = execution.choose_jobs(jobs, len(notebooks), profile.device, last)
+    target = plan.root / plan.run_label
+    last = plan.previous or _last_summary(target)  # what the label's last run measured: times, memory
+    n_jobs, note = execution.choose_jobs(plan.jobs, len(plan.notebooks), plan.profile.device, last)
     order = (
-        notebooks
+        plan.notebooks
         if n_jobs == 1
         else [
-            next(p for p in notebooks if p.stem == stem)
-            for stem in execution.longest_first([p.stem for p in notebooks], last)
+            next(p for p in plan.notebooks if p.stem == stem)
+            for stem in execution.longest_first([p.stem for p in plan.notebooks], last)
         ]
     )
     (staging / "notebooks").mkdir()
@@ -265,15 +253,15 @@ def _run_in(
     for path in order:
         records_dir = staging / ".records" / path.stem
         records_dir.mkdir(parents=True)
-        params = {"RUN_MODE": profile.run_mode, "RUN_LABEL": run_label, **planned[path.stem]}
+        params = {"RUN_MODE": plan.profile.run_mode, "RUN_LABEL": plan.run_label, **plan.planned[path.stem]}
         work.append(
             Job(
                 path,
                 params,
                 staging / "notebooks" / path.name,
                 records_dir,
-                timeout,
-                planned[path.stem],
+                plan.timeout,
+                plan.planned[path.stem],
                 allow_errors=allow_errors,
             )
         )
@@ -281,42 +269,42 @@ def _run_in(
     if note:
         show.write(note)
     started, t0 = datetime.now(timezone.utc), time.perf_counter()
-    outcomes = execution.execute_all(work, n_jobs, show, run_label)
+    outcomes = execution.execute_all(work, n_jobs, show, plan.run_label)
     signals.holding = True  # from here the run is written whole or not at all
     if signals.received:
         raise Interrupted(signals.received)
     complete = all(o.status == "ok" for o in outcomes)
-    destination = target if complete else root / f"{run_label}{PARTIAL_SUFFIX}"
+    destination = target if complete else plan.root / f"{plan.run_label}{PARTIAL_SUFFIX}"
     try:
-        entries = _assemble(staging, target, previous, outcomes)
+        entries = _assemble(staging, target, plan.previous, outcomes)
         summary = {
-            "run_label": run_label,
-            "run_mode": profile.run_mode,
-            "profile_id": profile.profile_id,
+            "run_label": plan.run_label,
+            "run_mode": plan.profile.run_mode,
+            "profile_id": plan.profile.profile_id,
             "started_at": started.isoformat(timespec="seconds"),
             "seconds": round(time.perf_counter() - t0, 2),
             "status": "ok" if all(e["status"] == "ok" for e in entries) else "failed",
-            "only": [p.stem for p in notebooks] if only else None,
+            "only": [p.stem for p in plan.notebooks] if plan.only else None,
             "jobs": n_jobs,
             "peak_rss_sum_bytes": execution.peak_rss_sum(work),
             "python": sys.version.split()[0],
-            "environment": _provenance(profile),
+            "environment": _provenance(plan.profile),
             "notebooks": entries,
         }
         runfolder.write_json(staging / "run.json", summary)
-        records, invalid = results.read_run(staging, run_label)
+        records, invalid = results.read_run(staging, plan.run_label)
         (staging / "REGISTRY.md").write_text(
-            results.registry_markdown(records, run_label, invalid), encoding="utf-8"
+            results.registry_markdown(records, plan.run_label, invalid), encoding="utf-8"
         )
         if signals.received:
             raise Interrupted(signals.received)
         runfolder.replace_dir(staging, destination)
     except OSError as e:
         raise TrainmechError(
-            f"could not write the run's results ({e.strerror or e}: {e.filename}); results/{run_label} is unchanged"
+            f"could not write the run's results ({e.strerror or e}: {e.filename}); results/{plan.run_label} is unchanged"
         ) from None
     if complete:
-        shutil.rmtree(root / f"{run_label}{PARTIAL_SUFFIX}", ignore_errors=True)  # superseded
+        shutil.rmtree(plan.root / f"{plan.run_label}{PARTIAL_SUFFIX}", ignore_errors=True)  # superseded
     if progress:
         ok = sum(o.status == "ok" for o in outcomes)
         where = (

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from trainmech import graph
 from trainmech.checks import ClaimFailed, close, dtype_name
+from trainmech.display import format_table
 
 __all__ = [
     "SavedStorage",
@@ -44,7 +45,6 @@ __all__ = [
     "storage_bytes",
     "storage_summary",
     "describe",
-    "format_table",
     "saved_table",
     "activation_table",
 ]
@@ -57,13 +57,7 @@ def _key(t: torch.Tensor) -> tuple[str, int]:
 
 def _flat_tensors(obj) -> list[torch.Tensor]:
     """Every tensor in a tensor / dict / list / tuple nest (e.g. a composed op's saved dict)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _flat_tensors(item)]
-    return []
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 def storage_summary(obj, references=()) -> tuple[int, int, int]:
@@ -332,28 +326,6 @@ def describe(saved) -> str:
         f"{k} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"{k}={v!r}" for k, v in saved.items()
     ]
     return " · ".join(parts)
-
-
-def format_table(header: list[str], rows: list[list]) -> str:
-    """A plain-text table with columns padded to their widest cell (numbers right-aligned)."""
-    cells = [[str(c) for c in header]] + [
-        [f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else str(c) for c in row] for row in rows
-    ]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [
-        all(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in rows)
-        for i in range(len(header))
-    ]
-    lines = []
-    for j, r in enumerate(cells):
-        lines.append(
-            "  ".join(
-                c.rjust(w) if numeric[i] and j else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
-            ).rstrip()
-        )
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def saved_table(rows: list[SavedStorage]) -> str:

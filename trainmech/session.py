@@ -5,6 +5,12 @@
 `start` refuses a bad run mode or label and the CUDA mode where CUDA is missing (one sentence
 each), seeds every generator, loads the profile, and captures the environment. Records go to
 `$TRAINMECH_RESULTS_DIR` when the runner or the tests set it, else to `results/<label>/`.
+
+Process state `start` changes, for the rest of the process (nothing is undone): the global RNGs of
+Python, NumPy and torch (every CUDA device too) are seeded; in CPU mode torch runs deterministic
+algorithms only (`torch.use_deterministic_algorithms(True)`) on one intra-op thread
+(`torch.set_num_threads(CPU_THREADS)`); and, given a notebook, `checks` logs every later check to
+`<results>/checks/<notebook>.jsonl` (`checks.log_checks_to`).
 """
 
 from __future__ import annotations

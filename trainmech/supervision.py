@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from trainmech.checks import num, rel_error
+from trainmech.display import format_table
 from trainmech.errors import TrainmechError
 from trainmech.measure import cuda_allocated, cuda_peaks, reset_cuda_peaks, time_stats, timed
-from trainmech.workload import IGNORE_INDEX, split_micro_batches, supervised_tokens, uneven_batch
+from trainmech.workload import IGNORE_INDEX, split_micro_batches, supervised_tokens, to_device, uneven_batch
 
 __all__ = [
     "NORMALIZATIONS",
@@ -39,8 +40,8 @@ __all__ = [
     "token_weights",
     "count_tokens",
     "accumulate_gradients",
-    "AccumulationResult",
-    "accumulation_experiment",
+    "GradientAccumulationResult",
+    "gradient_accumulation_experiment",
 ]
 
 NORMALIZATIONS = ("window_tokens", "micro_mean")
@@ -123,7 +124,7 @@ def count_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> tuple[int, ...
 
 def accumulate_gradients(
     model: torch.nn.Module,
-    micro_batches: list[dict[str, torch.Tensor]],
+    accumulation_window: list[dict[str, torch.Tensor]],
     *,
     normalization: str = "window_tokens",
     micro_tokens: list[int] | tuple[int, ...] | None = None,
@@ -134,8 +135,8 @@ def accumulate_gradients(
 ) -> Window:
     """Forward and backward over one accumulation window, adding into every parameter's .grad.
 
-    micro_batches: dicts with input_ids, attention_mask, labels (B_i, T_i), on the model's
-    device. Each micro-batch's summed token loss is divided by its denominator (see
+    accumulation_window: its micro-batches, dicts with input_ids, attention_mask, labels
+    (B_i, T_i), on the model's device. Each micro-batch's summed token loss is divided by its denominator (see
     `denominators`) before backward, so after the call .grad holds the gradient of the window's
     loss. The caller zeroes .grad at the window's start (as `optimizer.zero_grad()` does).
     A window without any supervised token is refused before any forward: .grad stays as it was.
@@ -149,11 +150,11 @@ def accumulate_gradients(
     The returned loss is the unscaled window loss.
     """
     if micro_tokens is None:
-        micro_tokens = count_tokens(micro_batches)
+        micro_tokens = count_tokens(accumulation_window)
     micro_tokens = tuple(int(n) for n in micro_tokens)
     divisors = denominators(micro_tokens, normalization)  # refuses before touching .grad
     window_loss = None
-    for mb, divisor in zip(micro_batches, divisors):
+    for mb, divisor in zip(accumulation_window, divisors):
         with ExitStack() as stack:
             for context in contexts:
                 stack.enter_context(context(model))
@@ -174,7 +175,7 @@ def accumulate_gradients(
 
 
 @dataclass
-class AccumulationResult:
+class GradientAccumulationResult:
     """One gradient-accumulation workload: every split against the full batch, and the timed windows.
 
     rows: (micro-batches, normalization) -> (gradient rel error, |loss error|, tokens per micro-batch).
@@ -195,22 +196,21 @@ class AccumulationResult:
         return [rel for (_, norm), (rel, _, _) in self.rows.items() if norm == normalization]
 
     def table(self) -> str:
-        """The splits as printed lines: window_tokens as a verdict (≤ 1e-6), micro_mean with 2 digits."""
-        lines = [
+        """The splits as a table: window_tokens as a verdict (≤ 1e-6, ≤ 1e-5), micro_mean with 2 digits."""
+        rows = []
+        for (n, norm), (rel, dloss, tokens) in self.rows.items():
+            if norm != "window_tokens":
+                rows.append([n, list(tokens), norm, num(rel, 2), num(dloss, 1)])
+            elif rel <= 1e-6 and dloss <= 1e-5:
+                rows.append([n, list(tokens), norm, "≤ 1e-6", "≤ 1e-5"])
+            else:
+                rows.append([n, list(tokens), norm, f"{rel:.1e}", f"{dloss:.1e}"])
+        head = (
             f"{self.workload_id}: effective batch = {self.workload.batch} sequences, {self.effective_tokens} "
             "supervised tokens, whatever the split"
-        ]
-        for (n, norm), (rel, dloss, tokens) in self.rows.items():
-            head = f"  {n} micro-batches {str(tokens):<18} {norm:<13}"
-            if norm == "window_tokens":
-                ok = rel <= 1e-6 and dloss <= 1e-5
-                lines.append(
-                    f"{head} grad rel error "
-                    + ("≤ 1e-6  loss Δ ≤ 1e-5" if ok else f"{rel:.1e}  loss Δ {dloss:.1e}")
-                )
-            else:
-                lines.append(f"{head} grad rel error {num(rel, 2):<7} loss Δ {num(dloss, 1)}")
-        return "\n".join(lines)
+        )
+        header = ["micro-batches", "supervised tokens each", "normalization", "grad rel error", "loss Δ"]
+        return head + "\n" + format_table(header, rows)
 
     def peak_lines(self, reference: str) -> str:
         """CUDA: peaks and times per split next to the registry's reference; CPU: one sentence."""
@@ -267,9 +267,9 @@ class AccumulationResult:
         )
 
 
-def accumulation_experiment(
+def gradient_accumulation_experiment(
     session, workload_id: str, *, lr: float, warmup: int, timed_windows: int
-) -> AccumulationResult:
+) -> GradientAccumulationResult:
     """The full batch against 2..n micro-batches under both normalizations, then timed AdamW updates.
 
     On a fresh model of the workload: the uneven batch's full-batch gradient is the reference for
@@ -280,7 +280,7 @@ def accumulation_experiment(
     w = session.workload(workload_id)
     built = session.build_model(w.model)
     model, device = built.model, session.device
-    batch = {k: v.to(device) for k, v in uneven_batch(w.batch, w.seq).items()}
+    batch = to_device(uneven_batch(w.batch, w.seq), device)
     model.zero_grad(set_to_none=True)
     reference = model(**batch)
     reference.loss.backward()
@@ -311,7 +311,7 @@ def accumulation_experiment(
         reset_cuda_peaks(device)
         seconds = [timed(one_update, device)[1] for _ in range(timed_windows)]
         stats[n] = {**time_stats(seconds), **cuda_peaks(device), "base_allocated_bytes": base}
-    return AccumulationResult(
+    return GradientAccumulationResult(
         workload_id,
         w,
         built,

@@ -22,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainmech.errors import TrainmechError
+from trainmech.errors import TrainmechError, refuse
 from trainmech.results import REPO_ROOT
 
 __all__ = [
@@ -156,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path.relative_to(REPO_ROOT)}")
         return 0
     except TrainmechError as e:
-        print(f"trainmech: error: {e}", file=sys.stderr)
-        return 2
+        return refuse(e)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from trainmech.errors import TrainmechError
 __all__ = [
     "SCHEDULE_SHAPES",
     "UpdateClock",
+    "logged_steps",
     "all_finite",
     "grads_finite",
     "step_if_finite",
@@ -82,6 +83,15 @@ class UpdateClock:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.effective_updates = int(state["effective_updates"])
         self.skipped_updates = int(state["skipped_updates"])
+
+
+def logged_steps(stepped: list[bool]) -> list[int]:
+    """The step a log writes after each attempt: the clock's effective updates, a skip adding none."""
+    clock, steps = UpdateClock(), []
+    for s in stepped:
+        clock.tick(s)
+        steps.append(clock.effective_updates)
+    return steps
 
 
 def all_finite(tensors) -> torch.Tensor:

@@ -17,6 +17,7 @@ raise ValueError with one sentence saying what is wrong and what is valid.
 import math
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "IGNORE_INDEX",
@@ -267,13 +268,8 @@ def cross_entropy_forward(logits, targets, ignore_index=IGNORE_INDEX, reduction=
     picked = logp.gather(1, safe[:, None])[:, 0]  # (N,) log-probability of the target class
     losses = torch.where(valid, -picked, 0)  # (N,) -log p[target]; 0 where ignored
     loss = losses.sum() / n_valid if reduction == "mean" else losses.sum()  # ()
-    saved = {
-        "probs": probs,
-        "targets": targets,
-        "ignore_index": ignore_index,
-        "reduction": reduction,
-        "n_valid": n_valid,
-    }
+    saved = {"probs": probs, "targets": targets}  # (N, V), (N,)
+    saved |= {"ignore_index": ignore_index, "reduction": reduction, "n_valid": n_valid}  # plain options
     return loss, saved
 
 
@@ -549,18 +545,6 @@ def swiglu_backward(saved, grad_out):
 # helpers: how many bytes a saved dict holds; one comparison line per tensor
 
 
-def _tensors(saved):
-    """Yield every tensor in a saved dict, descending into nested dicts / lists (composed ops)."""
-    if isinstance(saved, torch.Tensor):
-        yield saved
-    elif isinstance(saved, dict):
-        for value in saved.values():
-            yield from _tensors(value)
-    elif isinstance(saved, (list, tuple)):
-        for value in saved:
-            yield from _tensors(value)
-
-
 def saved_bytes(saved, *, exclude=()):
     """Bytes of the tensors in `saved` (a saved dict, or nested dicts/lists of them).
 
@@ -571,7 +555,9 @@ def saved_bytes(saved, *, exclude=()):
     """
     seen = {(t.data_ptr(), t.nbytes) for t in exclude}
     total = 0
-    for t in _tensors(saved):
+    for t in tree_leaves(saved):  # every leaf of the dict / list nest; options are leaves too
+        if not isinstance(t, torch.Tensor):
+            continue
         key = (t.data_ptr(), t.nbytes)
         if key not in seen:
             seen.add(key)

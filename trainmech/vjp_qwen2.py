@@ -15,10 +15,17 @@ Numerics follow the installed transformers' Qwen2 modules, with one deliberate d
 computes RMSNorm, the eager softmax and the loss in float32 even when the model is float64, so a
 float64 HF model is only float32-accurate there; here float64 stays float64 (lower precisions are
 upcast to float32 exactly as HF does). `hf_float64_reference` and `causal_lm_loss` remove those
-islands from the real modules, so that they can serve as a float64 reference; FLOAT32_ISLANDS lists all
-four (RoPE's float32 angles stay: they are an input both sides share) and `float32_island_gaps` measures them. Not supported (refused with ValueError): padding masks,
-sliding-window layers, RoPE types other than "default", activations other than silu, attention
-dropout.
+islands from the real modules, so that they can serve as a float64 reference; FLOAT32_ISLANDS lists
+all four (RoPE's float32 angles stay: they are an input both sides share) and `float32_island_gaps`
+measures them.
+
+Patched at run time: inside `hf_float64_reference` (and `float32_island_gaps`, which uses it),
+transformers' `modeling_qwen2.Qwen2RMSNorm.forward` and `modeling_qwen2.eager_attention_forward`
+are replaced process-wide, for every Qwen2 model and thread, until the block exits (also on an
+exception). Nothing else here changes state outside its arguments.
+
+Not supported (refused with ValueError): padding masks, sliding-window layers, RoPE types other
+than "default", activations other than silu, attention dropout.
 """
 
 import contextlib
@@ -26,6 +33,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._pytree import tree_flatten_with_path
 
 from trainmech import vjp
 
@@ -309,6 +317,11 @@ def model_loss_backward(saved, grad_loss=1.0):
 # what was saved
 
 
+def _key_name(key) -> str:
+    """One step of a pytree key path: a dict's key, a list's index."""
+    return str(key.key if hasattr(key, "key") else key.idx)
+
+
 def saved_inventory(saved, prefix=""):
     """One row (name, shape, dtype, nbytes) per tensor in a (possibly composed) saved dict.
 
@@ -319,23 +332,16 @@ def saved_inventory(saved, prefix=""):
     (use vjp.saved_bytes(saved, exclude=model.parameters()) for activations only).
     """
     rows, first = [], {}
-
-    def walk(node, path):
-        if isinstance(node, torch.Tensor):
-            key = (node.data_ptr(), node.nbytes)
-            if key in first:
-                rows.append((f"{path} (= {first[key]})", tuple(node.shape), node.dtype, 0))
-            else:
-                first[key] = path
-                rows.append((path, tuple(node.shape), node.dtype, node.nbytes))
-        elif isinstance(node, dict):
-            for name, value in node.items():
-                walk(value, f"{path}.{name}" if path else str(name))
-        elif isinstance(node, (list, tuple)):
-            for i, value in enumerate(node):
-                walk(value, f"{path}.{i}" if path else str(i))
-
-    walk(saved, prefix)
+    for keys, node in tree_flatten_with_path(saved)[0]:  # dicts by key, lists by index, in order
+        if not isinstance(node, torch.Tensor):
+            continue
+        path = ".".join([prefix] * bool(prefix) + [_key_name(k) for k in keys])  # 'mlp.gate', 'layers.0.x'
+        key = (node.data_ptr(), node.nbytes)
+        if key in first:
+            rows.append((f"{path} (= {first[key]})", tuple(node.shape), node.dtype, 0))
+        else:
+            first[key] = path
+            rows.append((path, tuple(node.shape), node.dtype, node.nbytes))
     return rows
 
 

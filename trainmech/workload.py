@@ -44,6 +44,7 @@ __all__ = [
     "uneven_batch",
     "supervised_tokens",
     "split_micro_batches",
+    "to_device",
     "BuiltModel",
     "qwen2_config",
     "local_weights",
@@ -224,6 +225,11 @@ def split_micro_batches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str
     if n <= 0 or rows % n:
         raise TrainmechError(f"cannot split a batch of {rows} rows into {n} equal micro-batches")
     return [{k: v[i * rows // n : (i + 1) * rows // n] for k, v in batch.items()} for i in range(n)]
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The batch with every tensor moved to `device` (the same keys; tensors already there are kept)."""
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 # ----------------------------------------------------------------------------- model

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from trainmech.exercises import _exercise, _randn, _Run, _tensor, _tuple
+from trainmech.exercises.harness import _exercise, _randn, _Run, _tensor, _tuple
+
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
 
 
 @_exercise("task0.sgd_momentum_update", "手写带动量和权重衰减的 SGD 更新")
@@ -64,27 +66,15 @@ def _task0_sgd(run: _Run) -> None:
                 "no_momentum": "参数沿梯度 g 而不是沿动量缓冲 buf 移动",
                 "sign": "更新方向反了：θ + lr·buf",
             }
-            _tensor(
-                where,
-                "θ（新参数）",
-                out[0],
-                ref_theta,
-                rtol=1e-12,
-                against="torch.optim.SGD",
-                variants=[(d, lambda k_=k_: variant(k_)[0]) for k_, d in kinds.items()],
-            )
-            # θ was right, so a buffer without λθ means the decay went around the momentum, not missing:
-            # "decay_outside" is tried first (its buffer equals "no_decay"'s).
+            # θ is judged first. With θ right, a buffer without λθ means the decay went around the
+            # momentum, not missing: for buf, "decay_outside" is tried first (its buffer equals "no_decay"'s).
             buf_kinds = {"decay_outside": kinds["decay_outside"]} | kinds
-            _tensor(
-                where,
-                "buf（动量缓冲）",
-                out[1],
-                ref_buf,
-                rtol=1e-12,
-                against="torch.optim.SGD",
-                variants=[(d, lambda k_=k_: variant(k_)[1]) for k_, d in buf_kinds.items()],
-            )
+            judged = [("θ（新参数）", ref_theta, kinds), ("buf（动量缓冲）", ref_buf, buf_kinds)]
+            for i, (name, reference, tried) in enumerate(judged):
+                variants = [(d, lambda k_=k_, i=i: variant(k_)[i]) for k_, d in tried.items()]
+                _tensor(
+                    where, name, out[i], reference, rtol=1e-12, against="torch.optim.SGD", variants=variants
+                )
             theta, buf = ref_theta, ref_buf  # the next update starts from the correct state
         run.ok(f"输入 {c}：3 次更新的 θ 与 buf 都与 torch.optim.SGD 一致（相对误差 ≤ 1e-12）")
 

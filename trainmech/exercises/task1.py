@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from trainmech.exercises import _autograd_vjp, _exercise, _randn, _Run, _tensor, _tuple
+from trainmech.exercises.harness import _autograd_vjp, _exercise, _randn, _Run, _tensor, _tuple
+
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
 
 
 @_exercise("task1.residual_vjp", "残差分支 y = x + tanh(Wx) 的 VJP")

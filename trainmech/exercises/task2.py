@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainmech.exercises import _autograd_vjp, _exercise, _randn, _Run, _tensor, _tuple
+from trainmech.exercises.harness import _autograd_vjp, _exercise, _randn, _Run, _tensor, _tuple
+
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
 
 
 @_exercise("task2.rms_norm_backward", "手写 RMSNorm 的反向")

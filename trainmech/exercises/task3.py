@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from trainmech.exercises import _exercise, _fmt_index, _Run, _tensor, _tiny_model, _tuple, _Wrong
+from trainmech.exercises.harness import _exercise, _fmt_index, _Run, _tensor, _tiny_model, _tuple, _Wrong
+
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
 
 
 @_exercise("task3.streaming_window", "流式的累计窗口：先累加 Token 损失之和，最后把 .grad 除以 N")
@@ -15,7 +17,7 @@ def _task3_window(run: _Run) -> None:
     model = _tiny_model()
     names = [n for n, _ in model.named_parameters()]
     sizes = [p.numel() for p in model.parameters()]
-    batch = supervision.uneven_batch(4, 32)
+    batch = workload.uneven_batch(4, 32)
     half_empty = {**batch, "labels": batch["labels"].clone()}
     half_empty["labels"][2:] = workload.IGNORE_INDEX  # the second micro-batch supervises nothing
 
@@ -88,36 +90,9 @@ def _task3_window(run: _Run) -> None:
         run.ok(f"{where}：梯度 rel={rel:.1e}，损失 rel={lrel:.1e}（≤ 1e-6，对照完整批次）")
 
 
-def _wsd_reference(stepped: list[bool], base_lr: float, wsd: dict) -> tuple[list[float], list[int]]:
-    """transformers' WSD scheduler stepped only after effective updates, and the update clock's count."""
-    import transformers
-
-    from trainmech.update import UpdateClock
-
-    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base_lr)
-    sched = transformers.get_wsd_schedule(
-        dummy,
-        num_warmup_steps=wsd["warmup_steps"],
-        num_stable_steps=wsd["stable_steps"],
-        num_decay_steps=wsd["decay_steps"],
-        min_lr_ratio=wsd.get("min_lr_ratio", 0.0),
-        warmup_type=wsd.get("warmup_type", "linear"),
-        decay_type=wsd.get("decay_type", "cosine"),
-    )
-    lrs, logged, clock = [], [], UpdateClock()
-    for s in stepped:
-        lrs.append(dummy.param_groups[0]["lr"])
-        if s:
-            dummy.step()
-            sched.step()
-        clock.tick(s)
-        logged.append(clock.effective_updates)
-    return lrs, logged
-
-
 @_exercise("task3.scheduled_lrs", "更新时钟：跳步不推进调度")
 def _task3_clock(run: _Run) -> None:
-    from trainmech.update import wsd_multiplier
+    from trainmech.update import logged_steps, replay_schedule, wsd_multiplier
 
     cases = [
         (14, (2, 9), dict(warmup_steps=3, stable_steps=5, decay_steps=4, min_lr_ratio=0.1)),
@@ -134,7 +109,10 @@ def _task3_clock(run: _Run) -> None:
         stepped = [a not in skips for a in range(attempts)]
         where = f"输入 {c}（{attempts} 次尝试，跳过 {list(skips) or '无'}）"
         out = _tuple(where, run.call(where, list(stepped), base_lr, dict(wsd)), ("lrs", "logged"))
-        lrs_ref, logged_ref = _wsd_reference(stepped, base_lr, wsd)
+        lrs_ref = replay_schedule(
+            stepped, int, base_lr, **wsd
+        )  # transformers' WSD, stepped on effective updates
+        logged_ref = logged_steps(stepped)
         lrs, logged = list(out[0]), list(out[1])
         if len(lrs) != attempts or len(logged) != attempts:
             raise _Wrong(

@@ -171,7 +171,7 @@ def measure_limits(device) -> dict:
     )
     bandwidth = limits.copy_bandwidth(device, nbytes=(256 if cuda else 32) << 20, repeats=5 if cuda else 3)
     model = workload.build_model(profiles.for_mode(mode).model(model_name), seed=0, device=device).model
-    data = {k: v.to(device) for k, v in workload.lm_batch("domain", batch, seq).items()}
+    data = workload.to_device(workload.lm_batch("domain", batch, seq), device)
     phases = limits.step_phase_times(
         model,
         data,
