@@ -25,6 +25,7 @@ from functools import cached_property
 from trainmech.errors import TrainmechError
 from trainmech.ledger import allocator
 from trainmech.ledger.book import Ledger, Peak, training_state_lifecycle
+from trainmech.ledger.clock import UPDATES
 from trainmech.ledger.recipes import recipe
 from trainmech.ledger.shape import model_shape
 
@@ -51,7 +52,6 @@ __all__ = [
 ]
 
 STRATEGIES = ("baseline", "checkpoint", "offload")
-UPDATES = ("first", "steady")
 # how the optimizer steps, as options of training_state_lifecycle ("default": the device's own choice); which
 # optimizer steps (adamw, sgd, …) is training_state_lifecycle's `optimizer`
 OPTIMIZER_STEPS = {
