@@ -49,6 +49,7 @@ from trainmech.ledger.formulas import (
     deepspeed_zero2_gpu_bytes,
     deepspeed_zero3_gpu_bytes,
     korthikanti_activation_bytes,
+    korthikanti_differences,
     zero_bytes_per_device,
     zero_communication_volume,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "deepspeed_zero2_gpu_bytes",
     "deepspeed_zero3_gpu_bytes",
     "korthikanti_activation_bytes",
+    "korthikanti_differences",
     "zero_bytes_per_device",
     "zero_communication_volume",
     "ATTENTION",
