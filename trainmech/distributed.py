@@ -671,8 +671,9 @@ def per_rank_table(
 
 
 def communication_table(reports: list[RankReport], model: str = "qwen2-tiny") -> tuple[str, bool]:
-    """Per (stage, N), rank 0's collectives: calls and payload, the volume in the ZeRO paper's terms (Ψ =
-    the parameter bytes), beside the prediction. Returns the text and whether every count and payload matched."""
+    """Per (stage, N), rank 0's collectives: calls and payload, the volume in the ZeRO paper's terms (in units of
+    Ψ fp32 elements, Ψ the parameter count: 4Ψ bytes), beside the prediction. Returns the text and whether every
+    count and payload matched."""
     from trainmech.ledger import model_shape, zero, zero_communication_volume
 
     shape = model_shape(model)
