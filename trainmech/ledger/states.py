@@ -111,17 +111,10 @@ def forward_states(setup: Setup) -> list[State]:
         dtypes.activation_bytes,
     )
     pure_16bit = dtypes.sixteen_bit and not dtypes.autocast
-    checkpointed = setup.checkpointing == "full"
     out = [
-        # the layers read position_ids; a checkpoint keeps its layer call's inputs, so with checkpointing
-        # it lives until the last recompute (layer 0's) is done: a saved tensor
-        State(
-            "position_ids",
-            "saved" if checkpointed else "unsaved_activations",
-            s * INDEX_BYTES,
-            "forward.embed",
-            "backward.layer.0:input_layernorm" if checkpointed else "forward.head:norm",
-        ),
+        # the layers read position_ids until the head; under checkpointing each checkpoint also keeps it as an
+        # input of its layer call until that layer's recompute, which the ledger leaves out (Task4 prints the gap)
+        State("position_ids", "unsaved_activations", s * INDEX_BYTES, "forward.embed", "forward.head:norm"),
         # Qwen2RotaryEmbedding in fp32: angles (s, d/2), their doubled copy and cos or sin before scaling
         State(
             "rope.angles",
