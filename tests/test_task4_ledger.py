@@ -1,5 +1,6 @@
 """Task4: the training-state ledger — published formulas, state bytes, prediction vs measurement, the calculator."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -657,23 +658,39 @@ def test_measure_and_the_ledger_share_one_vocabulary():
 # ----------------------------------------------------------------------------- Task4's CUDA branches, run on a CPU
 
 
-def test_lifecycle_bytes_error_is_what_a_cuda_run_is_held_to():
+def test_lifecycles_are_compared_key_by_key_within_the_cuda_tolerance():
     first, steady = ledger.measure_point("qwen2-tiny", 2, 32)
     for c in (first, steady):
-        assert c.lifecycle_bytes_error() == 0.0 and "differences: none" in c.lifecycle_line()
+        assert not c.lifecycle_differences() and "differences: none" in c.lifecycle_line()
     # the same measurement against a ledger of the math kernel: the s×s probabilities cross forward -> backward
     math = ledger.training_state_lifecycle(first.predicted.shape, 2, 32, first_step=True, attention="math")
     wrong = ledger.Comparison(first.model, 2, 32, "first", math, first.measured)
-    ours, theirs = (
-        sum(math.crossing_lifecycles().values()),
-        sum(first.measured_crossing_lifecycles().values()),
-    )
-    assert wrong.lifecycle_bytes_error() == abs(ours - theirs) / theirs > 0.01  # it fails the 1 % claim
     probs = sum(
         t.nbytes for t in ledger.layer_saved(math.shape, 2, 32, kernel="math") if t.name.endswith("probs")
     )
-    assert ours - theirs >= math.shape.num_layers * probs  # at least the probabilities of every layer
-    assert wrong.lifecycle_differences() and "differences: {" in wrong.lifecycle_line()
+    assert probs > ledger.CUDA_LIFECYCLE_TOLERANCE[1]  # a wrong kernel is far beyond the CUDA allowance
+    off = wrong.lifecycle_differences(ledger.CUDA_LIFECYCLE_TOLERANCE)
+    assert off and "differences: {" in wrong.lifecycle_line(ledger.CUDA_LIFECYCLE_TOLERANCE)
+    # a right total with the bytes in the wrong phases fails too: key by key, not the sum
+    moved = dataclasses.replace(
+        first.predicted,
+        states=tuple(
+            dataclasses.replace(st, released_at="backward.layer.1:attention")
+            if st.name == "layer.0.self_attn.q_rope"
+            else st
+            for st in first.predicted.states
+        ),
+    )
+    shifted = ledger.Comparison(first.model, 2, 32, "first", moved, first.measured)
+    assert sum(moved.crossing_lifecycles().values()) == sum(first.measured_crossing_lifecycles().values())
+    assert shifted.lifecycle_differences(ledger.CUDA_LIFECYCLE_TOLERANCE)
+    # a few bytes a CUDA kernel keeps on its own pass the allowance, and nothing else
+    few = ledger.Comparison(first.model, 2, 32, "first", first.predicted, first.measured)
+    key = next(iter(first.measured_crossing_lifecycles()))
+    few.measured_crossing_lifecycles = lambda: {  # noqa: E731
+        k: v + (8 if k == key else 0) for k, v in first.measured_crossing_lifecycles().items()
+    }
+    assert few.lifecycle_differences() and not few.lifecycle_differences(ledger.CUDA_LIFECYCLE_TOLERANCE)
 
 
 def test_a_step_measured_by_the_cpu_allocator_takes_the_cuda_side_of_the_comparison():
@@ -682,22 +699,22 @@ def test_a_step_measured_by_the_cpu_allocator_takes_the_cuda_side_of_the_compari
         m = c.measured
         assert m.step_peak_allocated_bytes is not None and c.measured_peak == m.step_peak_allocated_bytes
         assert abs(c.error) <= 0.01 and c.tracked_peak == m.peak_bytes
-    peaks = ledger.allocator_peaks(first, steady)
+    peaks = ledger.allocated_reserved(first, steady)
     assert peaks.source == "cpu-profiler" and peaks.measured_reserved is None and peaks.reserved_error is None
     assert peaks.tracked_bytes == steady.measured.peak_bytes and abs(peaks.tracked_error) <= 0.01
     assert peaks.model == ledger.allocator.cuda_peaks(first.predicted, steady.predicted)
     assert peaks.model.tensor_peak <= peaks.model.allocated_peak <= peaks.model.reserved_peak
     assert peaks.allocated_error == peaks.model.allocated_peak / steady.measured.step_peak_allocated_bytes - 1
     text = "\n".join(peaks.lines())
-    assert f"measured {steady.measured.step_peak_allocated_bytes:,}" in text and "unknown" in text
+    assert f"torch.profiler): {steady.measured.step_peak_allocated_bytes:,}" in text and "unknown" in text
     # the arithmetic the CUDA cell prints, with a reserved peak as torch.cuda reports one
-    gpu = ledger.AllocatorPeaks("cuda", 1000, 1100, 1500, ledger.allocator.CudaPeaks(1000, 1155, 1200))
+    gpu = ledger.AllocatedReserved("cuda", 1000, 1100, 1500, ledger.allocator.CudaPeaks(1000, 1155, 1200))
     assert gpu.tracked_error == pytest.approx(0.1) and gpu.allocated_error == pytest.approx(0.05)
     assert gpu.reserved_error == pytest.approx(-0.2)
     assert "allocated 1,155 (+5.0%), reserved 1,200 (-20.0% of the measured 1,500" in "\n".join(gpu.lines())
     plain = ledger.measure_point("qwen2-tiny", 1, 16, steps=("first",))
     with pytest.raises(TrainmechError, match="without an allocator") as e:
-        ledger.allocator_peaks(plain[0], plain[0])
+        ledger.allocated_reserved(plain[0], plain[0])
     assert "\n" not in str(e.value)
 
 
@@ -706,7 +723,7 @@ def test_cuda_record_fields_validate_as_a_gpu_measured_record():
 
     points = ledger.measure_point("qwen2-tiny", 2, 32, allocator="cpu-profiler")
     steady = points[1]
-    fields = ledger.record_fields(steady, points, worst_error=0.0, kernel="flash", on_cuda=True)
+    fields = ledger.record_fields(steady, points, worst_error=0.0, on_cuda=True, updates=points)
     template = json.loads(
         (results.REPO_ROOT / "results" / "cpu-reference" / "TRAIN-STATE-LEDGER__cpu-b2s128.json").read_text()
     )
@@ -715,19 +732,56 @@ def test_cuda_record_fields_validate_as_a_gpu_measured_record():
         {
             **template,
             "environment": {**template["environment"], **gpu_env},
+            "correctness": {**template["correctness"], **fields.pop("correctness")},
             "conclusion": {**template["conclusion"], "evidence_level": "gpu-measured"},
             **fields,
         }
     )
-    assert record.resources.peak_allocated_bytes == steady.measured.peak_allocated_bytes is not None
+    # the step's own allocated peak: what else the process held is not in it
+    assert record.resources.peak_allocated_bytes == steady.measured.step_peak_allocated_bytes is not None
     assert record.metrics["cpu_tracked_peak_bytes"] is None
+    assert record.metrics["tracked_peak_bytes"] == steady.measured.peak_bytes
     assert record.metrics["measured_peak_bytes"] == steady.measured.step_peak_allocated_bytes
-    assert record.metrics["measured_with"] == "torch.cuda.max_memory_allocated"
-    cpu = ledger.record_fields(steady, points, worst_error=0.0, kernel="flash", on_cuda=False)
+    assert record.metrics["measured_with"].startswith("torch.cuda.max_memory_allocated")
+    assert record.correctness.all_finite is True and record.correctness.effective_updates == 2
+    cpu = ledger.record_fields(steady, points, worst_error=0.0, on_cuda=False)
     assert cpu["resources"] == {"peak_allocated_bytes": None, "peak_reserved_bytes": None}
+    assert cpu["metrics"]["measured_forward_backward_peak_bytes"] == steady.measured_forward_backward_peak
     untracked = ledger.measure_point("qwen2-tiny", 1, 16, steps=("first",))
     with pytest.raises(TrainmechError, match="allocator's peaks"):
-        ledger.record_fields(untracked[0], untracked, worst_error=0.0, kernel="flash", on_cuda=True)
+        ledger.record_fields(untracked[0], untracked, worst_error=0.0, on_cuda=True)
+
+
+def test_a_non_finite_gradient_is_no_effective_update():
+    first, steady = ledger.measure_point("qwen2-tiny", 1, 16)
+    assert first.measured.all_finite is steady.measured.all_finite is True
+    broken = dataclasses.replace(steady.measured, all_finite=False)
+    bad = ledger.Comparison(steady.model, 1, 16, "steady", steady.predicted, broken)
+    fields = ledger.record_fields(bad, [first, bad], worst_error=0.0, on_cuda=False, updates=[first, bad])
+    assert fields["correctness"] == {"all_finite": False, "skipped_updates": 0, "effective_updates": 1}
+    hooked = ledger.measure_point("qwen2-tiny", 1, 16, optimizer_in_backward=True, steps=("first",))
+    assert hooked[0].measured.all_finite is None  # the hooks consumed every gradient: nothing left to check
+
+
+def test_a_warm_up_changes_no_tracked_byte_and_the_kernel_is_the_one_dispatched():
+    plain = ledger.measure_point("qwen2-tiny", 2, 32)
+    warm = ledger.measure_point("qwen2-tiny", 2, 32, warmup=True, memory_history=True)
+    for a, b in zip(plain, warm):
+        assert (a.measured.live, a.measured.phases, a.predicted_peak) == (
+            b.measured.live,
+            b.measured.phases,
+            b.predicted_peak,
+        )
+        assert (
+            b.workspace_bytes is None and b.history.source is None and b.history.blocks == []
+        )  # no CUDA here
+        assert (
+            a.kernel == a.rule_kernel == a.predicted.attention == "flash"
+        )  # the CPU's op, seen by the tracker
+    forced = ledger.measure_point("qwen2-tiny", 2, 32, attention="math", steps=("first",))
+    assert forced[0].kernel == forced[0].predicted.attention == "math"
+    assert ledger.kernel_of_ops(["_scaled_dot_product_cudnn_attention", "mm"]) == "cudnn"
+    assert ledger.kernel_of_ops(["bmm", "_safe_softmax"]) == "math" and ledger.kernel_of_ops(["mm"]) is None
 
 
 def _cuda_snapshot(steps, workspace: int, scratch: int) -> dict:
@@ -820,6 +874,13 @@ def test_the_memory_history_of_a_cuda_snapshot_names_the_blocks_no_tensor_explai
     named = [(b.category, b.phase) for b in timeline.blocks if b.category != measure.ALLOCATOR_ONLY]
     assert named == [(steps[0].category(a), a.born_phase) for a in tracked]
     assert f"2 blocks ({(1 << 19) + (1 << 17):,} bytes) no tensor state explains" in timeline.describe()
+    assert history["alive_at_start_blocks"] == 0  # every block in this trace was allocated inside it
+    trace = list(snapshot["device_traces"][0])
+    trace.remove(next(e for e in trace if e["action"] == "alloc" and e["addr"] == tracked[0].address))
+    started = {**snapshot, "device_traces": [trace]}
+    late = measure._history_from_snapshot(started, 0)  # the first storage existed before the recording began
+    assert late["alive_at_start_blocks"] == 1 and late["alive_at_start_bytes"] == tracked[0].nbytes
+    assert len(late.blocks) == len(history.blocks) - 1 and "alive when the recording began" in late.describe()
     fig = plots.memory_viz_timeline(timeline, title="snapshot")
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert measure.ALLOCATOR_ONLY in labels and "saved" in labels
@@ -828,32 +889,36 @@ def test_the_memory_history_of_a_cuda_snapshot_names_the_blocks_no_tensor_explai
     assert "by construction" in stand_in.describe()
 
 
-def test_flash_keeps_its_rng_state_on_cuda_as_torch_meta_kernel_says():
-    q = torch.empty(2, 4, 16, 16, device="meta", dtype=torch.bfloat16)
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True)
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_fused_kernels_keep_their_rng_state_on_cuda_as_torch_meta_kernels_say(kernel):
+    q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16)
+    out = ledger.inventory._sdpa_op(kernel, q)
     seed, offset = out[6], out[7]  # philox seed and offset, which its autograd node saves
-    rows = ledger.rng_state_saved("flash", "cuda")
+    rows = ledger.rng_state_saved(kernel, "cuda")  # no GPU here: the meta kernel's shapes
     assert [(t.shape, t.element_bytes) for t in rows] == [
         (tuple(seed.shape), seed.element_size()),
         (tuple(offset.shape), offset.element_size()),
     ]
-    assert (
-        ledger.rng_state_saved("flash", "cpu") == []
-    )  # the CPU flash kernel returns output and logsumexp only
-    assert ledger.rng_state_saved("efficient", "cuda") == []  # its seed and offset live on the host
-    assert ledger.rng_state_saved("math", "cuda") == []
+    assert ledger.rng_state_saved(kernel, "cpu") == []  # the CPU kernels return output and logsumexp only
     big = ledger.model_shape("qwen2.5-0.5b")
     on = {
-        d: sum(t.nbytes for t in ledger.layer_saved(big, 2, 512, "bf16", device=d)) for d in ("cpu", "cuda")
+        d: sum(t.nbytes for t in ledger.layer_saved(big, 2, 512, "bf16", kernel, device=d))
+        for d in ("cpu", "cuda")
     }
-    assert on["cuda"] - on["cpu"] == 24  # the same inventory, plus 16 + 8 bytes on CUDA
-    book = ledger.training_state_lifecycle(big, 2, 512, dtype="bf16", device="cuda")
+    assert on["cuda"] - on["cpu"] == sum(t.nbytes for t in rows) > 0  # the same inventory, plus the RNG state
+    book = ledger.training_state_lifecycle(big, 2, 512, dtype="bf16", device="cuda", attention=kernel)
     seed_state = next(st for st in book.states if st.name == "layer.0.self_attn.sdpa_rng_seed")
     assert (seed_state.category, seed_state.nbytes, seed_state.released_at) == (
         "saved",
-        16,
+        rows[0].nbytes,
         "backward.layer.0:attention",
     )
+
+
+def test_the_efficient_and_math_kernels_keep_no_rng_state_on_the_device():
+    assert ledger.rng_state_saved("efficient", "cuda") == []  # its seed and offset live on the host
+    assert ledger.rng_state_saved("math", "cuda") == []
+    assert ledger.inventory._rng_outputs("efficient", False)  # the meta kernel has them: on the host
 
 
 def _context_report(tmp_path, **limits) -> str:
@@ -955,3 +1020,37 @@ def test_the_benchmark_report_is_written_beside_its_data(tmp_path, capsys):
     assert rc == 2 and "use it with --benchmark" in err and err.count("\n") == 1
     rc, out, err = _run(["--benchmark", "--report", str(tmp_path / "x.txt")], capsys)
     assert rc == 2 and ".md path" in err
+
+
+def test_an_update_in_the_backward_is_predicted_byte_for_byte():
+    # the loss and its seed outlive the last hook; each hook creates its own tensors' step counters
+    for c in ledger.measure_point("qwen2-tiny", 2, 32, optimizer_in_backward=True):
+        assert c.predicted_peak == c.measured_peak, c.step
+        assert c.predicted.forward_backward_peak().bytes == c.measured_forward_backward_peak, c.step
+        assert not c.lifecycle_differences(), (c.step, c.lifecycle_line())
+
+
+def test_checkpointing_misses_exactly_the_position_ids_its_checkpoints_keep():
+    for c in ledger.measure_point("qwen2-tiny", 2, 32, checkpointing="full"):
+        gap = c.measured_forward_backward_peak - c.predicted.forward_backward_peak().bytes
+        assert gap == 32 * ledger.INDEX_BYTES, (
+            c.step
+        )  # position_ids, an input of every checkpointed layer call
+        assert c.lifecycle_differences() == {
+            ("unsaved_activations", "forward.embed", "forward.head"): (gap, 0),
+            ("saved", "forward.embed", "backward.layer.0"): (
+                c.predicted.crossing_lifecycles()[("saved", "forward.embed", "backward.layer.0")],
+                c.predicted.crossing_lifecycles()[("saved", "forward.embed", "backward.layer.0")] + gap,
+            ),
+        }
+
+
+def test_the_allocator_replay_allocates_each_state_as_its_tensors():
+    for kwargs in ({}, {"attention": "math"}, {"optimizer_impl": "foreach"}, {"dtype": "mixed-bf16"}):
+        book = ledger.training_state_lifecycle("qwen2-tiny", 2, 32, device="cuda", **kwargs)
+        for st in book.states:
+            pieces = ledger.allocator._pieces(book, st)
+            assert sum(pieces) == st.nbytes and all(p > 0 for p in pieces), (kwargs, st.name, pieces)
+    book = ledger.training_state_lifecycle("qwen2-tiny", 2, 32, device="cuda", attention="flash")
+    d_sdpa = next(st for st in book.states if st.name == "layer.0.d_sdpa")
+    assert len(ledger.allocator._pieces(book, d_sdpa)) == 4  # the output's gradient, dq, dk, dv

@@ -56,6 +56,7 @@ __all__ = [
     "RankReport",
     "CommCounter",
     "worker",
+    "start_method_for",
     "run",
     "reference_update",
     "predictions",
@@ -491,6 +492,17 @@ def _stop(processes) -> None:
         p.join(10)
 
 
+def start_method_for(requested: str = "auto") -> str:
+    """The start method `run` uses: "auto" is "fork" (the workers start from this warm interpreter) unless
+    this process has used CUDA, then "spawn" (a process that has used CUDA must not fork: its children
+    could not touch CUDA safely; the workers import this module afresh)."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
 def run(
     stages=(0, 1, 2, 3),
     world_sizes=(1, 2, 4),
@@ -518,12 +530,7 @@ def run(
     """
     stages, world_sizes = tuple(stages), tuple(sorted(world_sizes))
     _check(stages, world_sizes, batch)
-    if (
-        start_method == "auto"
-    ):  # a process that has used CUDA must not fork: its children could not touch CUDA safely
-        import torch
-
-        start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    start_method = start_method_for(start_method)
     methods = multiprocessing.get_all_start_methods()
     if start_method not in methods:
         raise TrainmechError(
@@ -664,8 +671,9 @@ def per_rank_table(
 
 
 def communication_table(reports: list[RankReport], model: str = "qwen2-tiny") -> tuple[str, bool]:
-    """Per (stage, N), rank 0's collectives: calls and payload, the volume in the ZeRO paper's terms (Ψ =
-    the parameter bytes), beside the prediction. Returns the text and whether every count and payload matched."""
+    """Per (stage, N), rank 0's collectives: calls and payload, the volume in the ZeRO paper's terms (in units of
+    Ψ fp32 elements, Ψ the parameter count: 4Ψ bytes), beside the prediction. Returns the text and whether every
+    count and payload matched."""
     from trainmech.ledger import model_shape, zero, zero_communication_volume
 
     shape = model_shape(model)
@@ -799,7 +807,10 @@ def write_records(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Under torchrun: this rank's update of one stage; prints one line per rank."""
+    """Under torchrun: this rank's update of one stage; prints one line per rank. The measurement is the
+    same StorageTracker (tensor storages, on any device); with NCCL on GPUs, FSDP2's all-gather and
+    reduce-scatter buffers are ordered by CUDA streams and live otherwise than on gloo, which the ledger's
+    per-rank book (`ledger.zero.per_rank`, checked on the CPU) does not model."""
     from trainmech.errors import OneLineParser
 
     parser = OneLineParser(

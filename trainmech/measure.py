@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import statistics
 import sys
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._guards import active_fake_mode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from trainmech.errors import TrainmechError
@@ -367,6 +368,12 @@ class StepMemory:
     outside_bytes: int | None = (
         None  # CUDA: allocated bytes at the start that are not baseline (batch, other tensors)
     )
+    forward_backward_allocated_bytes: int | None = (
+        None  # CUDA: the allocator's peak up to the end of the backward, minus outside_bytes
+    )
+    all_finite: bool | None = (
+        None  # the loss and every gradient after the backward finite; None: no gradient left to check
+    )
 
     @property
     def step_peak_allocated_bytes(self) -> int | None:
@@ -525,8 +532,13 @@ def training_step_memory(
                 loss = model(**batch, use_cache=False).loss
             tracker.phase = "backward.loss"
             loss.backward()
+            loss_value = float(loss.detach())  # a view and a Python number: no storage for the tracker
             del loss
-            tracker.tag([p.grad for p in params if p.grad is not None], "gradients")
+            grads = [p.grad for p in params if p.grad is not None]
+            tracker.tag(grads, "gradients")
+            finite = _finite(loss_value, grads)
+            del grads  # zero_grad must be able to release them
+            forward_backward = cuda_peaks(device)["peak_allocated_bytes"] if allocator == "cuda" else None
             if update:
                 tracker.phase = "optimizer"
                 optimizer.step()
@@ -537,7 +549,7 @@ def training_step_memory(
         for h in handles:
             h.remove()
     if seen is None:
-        return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases)
+        return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases, all_finite=finite)
     outside = seen.start_bytes - sum(baseline.values())  # what else was allocated: the batch, other tensors
     return StepMemory(
         baseline,
@@ -547,7 +559,18 @@ def training_step_memory(
         seen.peak_bytes,
         seen.peak_reserved_bytes,
         outside,
+        None if forward_backward is None else forward_backward - outside,
+        finite,
     )
+
+
+def _finite(loss: float, grads: list[torch.Tensor]) -> bool | None:
+    """The loss and every gradient finite (the check runs outside any dispatch mode: no tracked storage);
+    None when no gradient is left to check (an update inside the backward consumed them)."""
+    if not grads:
+        return None
+    with _disable_current_modes():
+        return math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)
 
 
 ALLOCATOR_ONLY = "allocator only"  # a history block no tensor state explains
@@ -567,10 +590,13 @@ class HistoryBlock:
 
 class MemoryHistory(dict):
     """A memory history: the summary (alloc_events, free_events, segments, reserved_bytes,
-    largest_segment_bytes; empty when nothing was recorded) and `blocks`, every allocation in order.
+    largest_segment_bytes, alive_at_start_blocks, alive_at_start_bytes; empty when nothing was recorded)
+    and `blocks`, every allocation made while it recorded, in order.
 
     `source`: "cuda-allocator" (torch.cuda.memory._record_memory_history, Python stacks) or
-    "storage-tracker" (trainmech's tracker: tensor storages only; what a CPU can record).
+    "storage-tracker" (trainmech's tracker: tensor storages only; what a CPU can record). Blocks that
+    were alive when the recording began (the baseline: parameters, the batch, the cuBLAS workspaces of a
+    warm-up) have no alloc event: they are counted in the summary, not drawn.
     """
 
     def __init__(self, source: str | None = None):
@@ -594,12 +620,14 @@ class MemoryHistory(dict):
         return self
 
     def allocator_only(self) -> list[HistoryBlock]:
-        """The blocks no tracked tensor storage explains (cuBLAS workspaces, kernels' scratch buffers); only a
-        labelled allocator history can hold any: in the tracker's own history every block is a storage."""
+        """The blocks no tracked tensor storage explains (kernels' scratch buffers, a workspace created inside
+        the recording); only a labelled allocator history can hold any: in the tracker's own history every
+        block is a storage."""
         return [b for b in self.blocks if b.category == ALLOCATOR_ONLY]
 
     def describe(self) -> str:
-        """Two lines: where the history comes from and its size; then the blocks no tensor state explains."""
+        """Where the history comes from and its size; the baseline it started from; the blocks no tensor
+        state explains."""
         head = f"{self.source}: {len(self.blocks):,} blocks in {self.events:,} events"
         if self.source != "cuda-allocator":
             return head + (
@@ -608,8 +636,10 @@ class MemoryHistory(dict):
             )
         only = self.allocator_only()
         return head + (
-            f"\n{len(only)} blocks ({sum(b.nbytes for b in only):,} bytes) no tensor state explains "
-            "(cuBLAS workspaces, kernels' scratch buffers)"
+            f"\n{self.get('alive_at_start_blocks', 0):,} blocks ({self.get('alive_at_start_bytes', 0):,} bytes) were "
+            "alive when the recording began (the baseline: parameters, the batch, the warm-up's cuBLAS workspaces): "
+            f"not drawn\n{len(only)} blocks ({sum(b.nbytes for b in only):,} bytes) no tensor state explains "
+            "(kernels' scratch buffers)"
         )
 
 
@@ -631,27 +661,40 @@ def history_from_tracker(steps: list[StepMemory]) -> MemoryHistory:
 
 
 def _history_from_snapshot(snapshot: dict, index: int) -> MemoryHistory:
-    """A MemoryHistory from torch.cuda.memory._snapshot()'s trace of one device."""
+    """A MemoryHistory from torch.cuda.memory._snapshot()'s trace of one device. A block freed with no
+    alloc event in the trace, or still allocated in a segment without one, was alive when the recording
+    began: counted as the baseline (alive_at_start_*), not drawn."""
     traces = snapshot.get("device_traces", [])
     trace = traces[index] if index < len(traces) else []
     segments = [seg for seg in snapshot.get("segments", []) if seg.get("device", index) == index]
-    history, live = MemoryHistory("cuda-allocator"), {}
+    history, live, seen = MemoryHistory("cuda-allocator"), {}, set()
+    before = {}  # address -> bytes of the blocks alive at the start
     for e in trace:
-        action = e.get("action")
+        action, address = e.get("action"), int(e.get("addr", 0))
         if action == "alloc":
-            block = HistoryBlock(int(e.get("size", 0)), history.events, None, "", "", int(e.get("addr", 0)))
-            live[block.address] = block
+            block = HistoryBlock(int(e.get("size", 0)), history.events, None, "", "", address)
+            live[address] = block
+            seen.add(address)
             history.blocks.append(block)
             history.events += 1
-        elif action == "free_completed" and int(e.get("addr", 0)) in live:
-            live.pop(int(e["addr"])).died = history.events
+        elif action == "free_completed" and address in live:
+            live.pop(address).died = history.events
             history.events += 1
+        elif action == "free_completed" and address not in seen:
+            before[address] = int(e.get("size", 0))
+    for seg in segments:
+        for b in seg.get("blocks", []):
+            address = int(b.get("address", 0))
+            if b.get("state") == "active_allocated" and address not in seen:
+                before[address] = int(b.get("size", 0))
     history.update(
         alloc_events=sum(e.get("action") == "alloc" for e in trace),
         free_events=sum(e.get("action") == "free_completed" for e in trace),
         segments=len(segments),
         reserved_bytes=sum(int(seg.get("total_size", 0)) for seg in segments),
         largest_segment_bytes=max((int(seg.get("total_size", 0)) for seg in segments), default=0),
+        alive_at_start_blocks=len(before),
+        alive_at_start_bytes=sum(before.values()),
     )
     return history
 
@@ -662,7 +705,9 @@ def cuda_memory_history(device: torch.device, max_entries: int = 200_000):
     (torch.cuda.memory._record_memory_history(stacks="python")).
 
     Yields a MemoryHistory filled on exit (see there). Off CUDA it stays empty, source None: there is no
-    such history; `history_from_tracker` gives the CPU's stand-in from a tracked step.
+    such history; `history_from_tracker` gives the CPU's stand-in from a tracked step. Start it after the
+    model is built and warmed up (`trainmech.ledger.measure_point(memory_history=True)` does), or the
+    model's construction and the first matmul's workspaces are in it as blocks no tensor state explains.
     """
     if device.type != "cuda":
         yield MemoryHistory()

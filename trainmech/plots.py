@@ -407,8 +407,9 @@ def lifecycle_chart(rows, phases: list[str]):
     """States × phases: a bar from the phase a state is created in to the phase it is released in.
 
     rows: (label, category, nbytes, created, last_consumed, released) with phase names, "before" or
-    "after"; phases: the step's phases in order. A black dot marks where a state is last consumed
-    (for gradients: the update, although zero_grad releases them); colour = category.
+    "after"; phases: the step's phases in order. A black dot marks where a state is last consumed when
+    that is not where it is released (gradients: the update, although zero_grad releases them); a state
+    released where it is last consumed gets no dot. Colour = category.
     """
     x = {p: i for i, p in enumerate(phases)} | {"before": -0.6, "after": len(phases) - 0.4}
     fig, (ax,) = _figure(1, 9.0, 0.9 + 0.24 * len(rows))
@@ -525,8 +526,9 @@ def memory_viz_timeline(history, *, columns: int = 300, min_share: float = 0.004
     every live allocation a band, stacked in birth order, so a freed block lets the younger ones drop.
 
     Colour = the state category (grey: an allocator block no tensor state matches). Blocks below
-    min_share of the peak are pooled into one band on top (memory_viz shows them one by one).
-    x: the history's alloc/free events; y: live bytes above what was alive before the history began.
+    min_share of the peak are pooled into one light band on top (memory_viz shows them one by one), so
+    the stack's top is every live block. x: the history's alloc/free events; y: live bytes above what
+    was alive before the history began.
     """
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
@@ -539,12 +541,12 @@ def memory_viz_timeline(history, *, columns: int = 300, min_share: float = 0.004
     big = [b for b in history.blocks if b.nbytes >= floor]
     polys, colours = [], []
     offsets = {id(b): [None] * len(xs) for b in big}
+    stacked = [0] * len(xs)  # the big blocks' height at each column
     for j, t in enumerate(xs):
-        height = 0
         for b in big:  # birth order: older blocks below
             if alive_at(b, t):
-                offsets[id(b)][j] = height
-                height += b.nbytes
+                offsets[id(b)][j] = stacked[j]
+                stacked[j] += b.nbytes
     for b in big:
         pts = [(xs[j], o) for j, o in enumerate(offsets[id(b)]) if o is not None]
         if not pts:
@@ -552,19 +554,17 @@ def memory_viz_timeline(history, *, columns: int = 300, min_share: float = 0.004
         top = [(x, (o + b.nbytes) / mib) for x, o in pts]
         polys.append(top + [(x, o / mib) for x, o in reversed(pts)])
         colours.append(CATEGORY_COLOURS.get(b.category, "0.6"))
+    pooled = [(x, h / mib, t / mib) for x, h, t in zip(xs, stacked, totals)]
+    polys.append([(x, t) for x, _, t in pooled] + [(x, h) for x, h, _ in reversed(pooled)])
+    colours.append("0.85")
     fig, (ax,) = _figure(1, 9.0, 3.6)
     ax.add_collection(PolyCollection(polys, facecolors=colours, edgecolors="none", alpha=0.9))
-    ax.plot(
-        xs,
-        [t / mib for t in totals],
-        color="black",
-        lw=0.8,
-        label="all live blocks (small ones pooled on top)",
-    )
+    ax.plot(xs, [t / mib for t in totals], color="black", lw=0.8, label="all live blocks")
     present = [c for c in CATEGORY_COLOURS if any(b.category == c for b in big)]
     handles = [Patch(color=CATEGORY_COLOURS[c], label=c) for c in present]
     if any(b.category == "allocator only" for b in big):
         handles.append(Patch(color="0.6", label="allocator only"))
+    handles.append(Patch(color="0.85", label=f"blocks under {min_share:.1%} of the peak, pooled"))
     ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7, ncols=3, loc="upper left")
     ax.set_xlim(0, n)
     ax.set_ylim(0, max(totals) / mib * 1.35)  # headroom for the legend

@@ -1,4 +1,5 @@
-"""Task4 exercises: the bytes one decoder layer saves for backward; the gradients' bytes and lifetime."""
+"""Task4 exercises: the bytes one decoder layer saves for backward; the gradients' bytes and lifetime; the
+peak of a config the page never shows; what one FSDP2 rank holds."""
 
 from __future__ import annotations
 
@@ -177,6 +178,26 @@ def _steady_step(cfg_dict: dict, batch: int, seq: int):
     return cfg, measure.training_step_memory(model, opt, data)
 
 
+def _saved_hint(cfg, b: int, s: int, missing: int) -> list[str]:
+    """Name the saved tensors outside the decoder layers whose bytes make up `missing` (measured − yours)."""
+    h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.hidden_size // cfg.num_attention_heads
+    outside = {  # alive as the backward begins, beside every layer's saved tensors
+        "loss.log_softmax（fp32 的 log-softmax 输出，b·s·V·4）": 4 * b * s * v,
+        "model.norm.*（最后的 RMSNorm：fp32 输入、rsqrt、归一化结果、输出，4·(3·b·s·h + b·s)）": 4
+        * (3 * b * s * h + b * s),
+        "rope.cos_sin（旋转位置编码的 cos 与 sin，2·s·d·4）": 2 * s * d * 4,
+        "loss.value（训练循环手里的损失标量，4）": 4,
+    }
+    lines = [f"    保存张量差 {missing:+,} 字节。层之外也有保存张量（反向刚开始时都还在）："]
+    lines += [f"      {name}：{n:,} 字节" for name, n in outside.items()]
+    for size in range(1, len(outside) + 1):
+        hit = next((c for c in combinations(outside, size) if sum(outside[k] for k in c) == missing), None)
+        if hit:
+            lines.append(f"    你少算的正好是：{'、'.join(k.split('（')[0] for k in hit)}")
+            break
+    return lines
+
+
 @_exercise("task4.predict_peak", "没见过的配置：峰值在哪个阶段、由什么组成")
 def _task4_predict_peak(run: _Run) -> None:
     from trainmech.ledger import CATEGORIES
@@ -232,6 +253,12 @@ def _task4_predict_peak(run: _Run) -> None:
                 )
             if "gradients" in off and phase == "backward.loss":
                 lines.append("    提示：set_to_none=True 时，上一次更新后梯度已被释放：反向刚开始时梯度是 0")
+            if "saved" in off:
+                lines += _saved_hint(cfg, b, s, -off["saved"])
+            if "parameters" in off:
+                lines.append(
+                    "    提示：参数在每个候选时刻都在：4 字节 × 参数个数（共享的嵌入与输出头只算一次）"
+                )
             raise _Wrong(lines, f"{', '.join(off)} 与实测不符")
         run.ok(
             f"{where}：峰值在 {phase}，{len(CATEGORIES)} 个类别都在实测的 2% 以内（实测峰值 {peak:,} 字节）"

@@ -217,11 +217,14 @@ def check_step_memory(probe: Probe) -> str:
 
 
 def check_memory_history(probe: Probe) -> str:
-    """The allocator's history around a tracked step (CUDA), labelled by the tracker; off CUDA the tracker's own."""
-    model = probe.model()
+    """The allocator's history around a tracked step (CUDA), recorded after a warm-up forward and backward and
+    labelled by the tracker, the blocks alive at its start counted as the baseline; off CUDA the tracker's own."""
+    model, batch = probe.model(), probe.lm_batch()
+    model(**batch, use_cache=False).loss.backward()  # the first matmuls' workspaces: before the recording
+    model.zero_grad(set_to_none=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with measure.cuda_memory_history(probe.device) as history:
-        step = measure.training_step_memory(model, optimizer, probe.lm_batch())
+        step = measure.training_step_memory(model, optimizer, batch)
     timeline = measure.step_history(history, [step])
     tracked = [b for b in timeline.blocks if b.category != "allocator only"]
     if not probe.cuda:
@@ -242,85 +245,94 @@ def check_memory_history(probe: Probe) -> str:
         len(tracked) >= 0.95 * len(step.allocations),
         f"only {len(tracked)} of {len(step.allocations)} tracked storages matched",
     )
+    require(
+        history.get("alive_at_start_bytes", 0) >= step.baseline["parameters"],
+        f"the baseline alive when the recording began: {history.get('alive_at_start_bytes')} bytes, "
+        f"the parameters alone {step.baseline['parameters']:,}",
+    )
     return (
         f"{history['alloc_events']} alloc / {history['free_events']} free events, {history['segments']} segment(s), "
-        f"{history['reserved_bytes']:,} B reserved; {len(tracked)} blocks labelled, {len(timeline.blocks) - len(tracked)} allocator-only"
+        f"{history['reserved_bytes']:,} B reserved; {history['alive_at_start_bytes']:,} B alive at the start; "
+        f"{len(tracked)} blocks labelled, {len(timeline.blocks) - len(tracked)} allocator-only"
     )
 
 
 class _SdpaOps(TorchDispatchMode):
-    """The SDPA-family aten ops a forward dispatches, by name."""
+    """The names of the aten ops a forward dispatches."""
 
     def __init__(self):
         super().__init__()
         self.names: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__
-        if "scaled_dot_product" in name or name.startswith("bmm"):
-            self.names.add(name.split(".")[0])
-        elif name.startswith(
-            ("_softmax", "_safe_softmax", "softmax")
-        ):  # the attention's, not the loss's log_softmax
-            self.names.add("softmax")
+        self.names.add(func.__name__.split(".")[0])
         return func(*args, **(kwargs or {}))
 
 
 def dispatched_attention_kernel(model: torch.nn.Module, batch: dict) -> str:
     """flash / efficient / cudnn / math: the SDPA kernel one training forward of the model actually ran (grad
-    enabled, as in training: SDPA's choice of kernel looks at requires_grad; the graph is dropped after)."""
+    enabled, as in training: SDPA's choice of kernel looks at requires_grad; the graph is dropped after),
+    read from every op it dispatched (`ledger.kernel_of_ops`)."""
     ops = _SdpaOps()
     with ops:
         model(**batch, use_cache=False)
-    for kernel in ("flash", "efficient", "cudnn"):
-        if any(n.startswith(f"_scaled_dot_product_{kernel}_attention") for n in ops.names):
-            return kernel
-    return (
-        "math"
-        if {"bmm", "softmax"} <= ops.names
-        else f"unknown ({', '.join(sorted(ops.names)) or 'no attention op'})"
-    )
+    attention = sorted(n for n in ops.names if "scaled_dot_product" in n or n in ("bmm", "_softmax"))
+    return ledger.kernel_of_ops(ops.names) or f"unknown ({', '.join(attention) or 'no attention op'})"
 
 
 def check_ledger_on_device(probe: Probe) -> str:
-    """The kernel the ledger assumes is the one the forward dispatches (unpadded and padded), the peaks are
-    predicted within 5 %, and (CUDA) the allocator model's allocated / reserved peaks beside the measured ones."""
+    """The ledger predicts with the kernel the forward dispatched (unpadded and padded; on a CPU that is also
+    the ledger's rule), the peaks within 5 %, the lifecycles key by key (CUDA: within
+    CUDA_LIFECYCLE_TOLERANCE), bf16's per-layer saved bytes against the dispatched kernel's inventory with
+    the RNG state weighed on this device, and (CUDA) the warm-up's cuBLAS workspaces and the allocator
+    model's allocated / reserved peaks beside the measured ones."""
     first, steady = ledger.measure_point(
-        probe.model_name, probe.batch, probe.seq, run_mode=probe.mode, seed=0
+        probe.model_name, probe.batch, probe.seq, run_mode=probe.mode, seed=0, warmup=True
     )
     shape = first.predicted.shape
-    kernels = []
+    kernels, rules = [], []
     for padded in (False, True):
-        assumed = ledger.attention_kernel(shape, "fp32", probe.device.type, padded=padded)
+        rule = ledger.attention_kernel(shape, "fp32", probe.device.type, padded=padded)
         data = ledger.padded_batch(probe.batch, probe.seq) if padded else probe.lm_batch()
         ran = dispatched_attention_kernel(probe.model(), {k: v.to(probe.device) for k, v in data.items()})
         require(
-            ran == assumed,
-            f"the ledger assumes the {assumed} kernel for fp32 on {probe.device.type}"
-            f"{' with padding' if padded else ''}, the forward ran {ran}",
+            probe.cuda or ran == rule,
+            f"the ledger's rule says the {rule} kernel for fp32 on a CPU{' with padding' if padded else ''}, "
+            f"the forward ran {ran}",
         )
         kernels.append(ran)
+        rules.append(rule)
+    require(
+        first.kernel == kernels[0] and first.predicted.attention == kernels[0],
+        f"measure_point saw the {first.kernel} kernel and predicted with {first.predicted.attention}; "
+        f"the forward dispatched {kernels[0]}",
+    )
     errors = f"peak error first {first.error:+.1%}, steady {steady.error:+.1%}"
     require(
         abs(first.error) <= 0.05 and abs(steady.error) <= 0.05,
         f"the ledger's peak is off by more than 5 %: {errors}",
     )
-    lifecycle = [c.lifecycle_bytes_error() for c in (first, steady)]
+    tolerance = ledger.CUDA_LIFECYCLE_TOLERANCE if probe.cuda else (0.0, 0)
     require(
-        max(lifecycle) <= 0.01
-        and (probe.cuda or not any(c.lifecycle_differences() for c in (first, steady))),
-        f"lifecycles crossing a phase: bytes off by {lifecycle[0]:.2%} / {lifecycle[1]:.2%}; "
-        f"{first.lifecycle_line()}",
+        not any(c.lifecycle_differences(tolerance) for c in (first, steady)),
+        f"lifecycles crossing a phase: {first.lifecycle_line(tolerance)}; {steady.lifecycle_line(tolerance)}",
+    )
+    require(
+        (first.workspace_bytes is not None) == probe.cuda,
+        f"the warm-up's workspace bytes {first.workspace_bytes} on {probe.device.type}",
     )
     (bf16,) = ledger.measure_point(
         probe.model_name, probe.batch, probe.seq, run_mode=probe.mode, seed=0, dtype="bf16", steps=("first",)
     )
-    rows = ledger.layer_saved(bf16.predicted.shape, probe.batch, probe.seq, "bf16", device=probe.device.type)
+    rows = ledger.layer_saved(
+        bf16.predicted.shape, probe.batch, probe.seq, "bf16", bf16.kernel, device=probe.device.type
+    )
     added = bf16.measured.saved_added_per_layer(bf16.predicted.shape.num_layers)
-    rng = [t.name.rsplit(".", 1)[-1] for t in rows if "rng" in t.name]
+    rng = [f"{t.name.rsplit('.', 1)[-1]} {t.nbytes} B" for t in rows if "rng" in t.name]
+    inventory = sum(t.nbytes for t in rows)
     require(
-        all(x == sum(t.nbytes for t in rows) for x in added),
-        f"bf16 saved bytes per layer {added} vs the inventory's {sum(t.nbytes for t in rows):,} "
+        all(abs(x - inventory) <= (0.01 * inventory if probe.cuda else 0) for x in added),
+        f"bf16 saved bytes per layer {added} vs the {bf16.kernel} inventory's {inventory:,} "
         f"(RNG state rows: {rng or 'none'})",
     )
     measured = (
@@ -328,7 +340,7 @@ def check_ledger_on_device(probe: Probe) -> str:
         if probe.cuda
         else ledger.measure_point(probe.model_name, probe.batch, probe.seq, seed=0, allocator="cpu-profiler")
     )
-    peaks = ledger.allocator_peaks(*measured)
+    peaks = ledger.allocated_reserved(*measured)
     model = peaks.model
     require(
         model.reserved_peak >= model.allocated_peak >= model.tensor_peak,
@@ -339,17 +351,19 @@ def check_ledger_on_device(probe: Probe) -> str:
         f"the CPU allocator's peak beside the tracked tensors: {peaks.lines()}",
     )
     fields = ledger.record_fields(
-        steady, [first, steady], worst_error=0.0, kernel=kernels[0], on_cuda=probe.cuda
+        steady, [first, steady], worst_error=0.0, on_cuda=probe.cuda, updates=[first, steady]
     )
     carried = (fields["metrics"]["measured_peak_bytes"], fields["metrics"]["peak_error"])
     require(
         carried == (steady.measured_peak, steady.error),
         f"the record carries {carried}, the steady step measured {(steady.measured_peak, steady.error)}",
     )
+    require(fields["correctness"]["all_finite"] is True, f"the record's correctness: {fields['correctness']}")
     if probe.cuda:
         allocator_fields = [
             fields["resources"]["peak_allocated_bytes"],
             fields["resources"]["peak_reserved_bytes"],
+            fields["metrics"]["measured_forward_backward_peak_bytes"],
         ]
         require(
             all(v is not None for v in allocator_fields), f"the record's allocator peaks: {allocator_fields}"
@@ -362,12 +376,13 @@ def check_ledger_on_device(probe: Probe) -> str:
     gpu = ""
     if probe.cuda:
         gpu = (
-            f"; allocator model allocated {peaks.allocated_error:+.1%}, reserved {peaks.reserved_error:+.1%} "
-            f"off the measured peaks; lifecycle bytes {lifecycle[0]:.2%} / {lifecycle[1]:.2%}"
+            f"; the ledger's rule said {rules[0]} / {rules[1]}; cuBLAS workspaces {first.workspace_bytes:,} B; "
+            f"allocator model allocated {peaks.allocated_error:+.1%}, reserved {peaks.reserved_error:+.1%} "
+            "off the measured peaks"
         )
     return (
-        f"kernels {kernels[0]} / {kernels[1]} (padded) as the ledger assumes; foreach={probe.cuda}; {errors}; "
-        f"bf16 saved per layer as the inventory (RNG state rows: {rng or 'none'}){gpu}"
+        f"kernels {kernels[0]} / {kernels[1]} (padded) dispatched and predicted with; foreach={probe.cuda}; {errors}; "
+        f"bf16 saved per layer as the {bf16.kernel} inventory (RNG state rows: {rng or 'none'}){gpu}"
     )
 
 
@@ -825,6 +840,7 @@ PACKAGE = [
         (
             "ledger.inventory.attention_kernel",
             "ledger.inventory.rng_state_saved",
+            "ledger.inventory._rng_outputs",
             "ledger.states._state_bytes_per_tensor",
             "ledger.book.training_state_lifecycle",
             "ledger.compare.measure_point",
@@ -832,9 +848,11 @@ PACKAGE = [
             "ledger.peers.benchmark",
             "ledger.cli.render",
         ),
-        "kernel choice: fp32 grouped-query attention falls back to math on CUDA, a padded batch runs the efficient kernel "
-        "(flash on CPU); flash's RNG seed and offset saved on CUDA; foreach AdamW temporaries and AdamW's step counters "
-        "on the host on CUDA; lifecycle bytes within 1 %; the allocator model's peaks beside the allocator's own",
+        "kernel choice: the ledger predicts with the SDPA kernel the forward dispatched (cuDNN, flash, efficient or math; "
+        "its rule, math for fp32 GQA and efficient when padded, is only reported on CUDA); the RNG seed and offset weighed "
+        "by running the fused op on the GPU; foreach AdamW temporaries and AdamW's step counters on the host on CUDA; "
+        "the warm-up's cuBLAS workspaces; lifecycles key by key within CUDA_LIFECYCLE_TOLERANCE; the allocator model's "
+        "peaks beside the allocator's own",
         check_ledger_on_device,
         8,
     ),
@@ -912,7 +930,7 @@ PACKAGE = [
     ),
     Branch(
         "distributed.spawn",
-        ("distributed.run",),
+        ("distributed.start_method_for",),
         "after CUDA was used in this process the workers are spawned, not forked (CPU: spawn forced)",
         check_distributed_spawn,
         25,
@@ -951,11 +969,15 @@ NOTEBOOK_CELLS = {
     "Task3:record-amp": "prints FP16 vs FP32 peak and median",
     "Task3:trainer-count": "TrainingArguments(use_cpu=False): the Trainer counts num_items_in_batch on the GPU",
     "Task3:resume-check": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
-    "Task4:imports-setup": "ledger.CUDA_POINTS instead of the CPU points",
-    "Task4:lifecycle-vs-measured": "lifecycle bytes within 1 % (Comparison.lifecycle_bytes_error) instead of byte for byte",
-    "Task4:cuda-allocator-peaks": "ledger.allocator_peaks on the GPU's own counters: the allocator model's allocated peak "
-    "within 5 %, reserved beside it, the allocator history (CPU: the profiler's allocator against the tracked tensors)",
-    "Task4:record-state-ledger": "the record's fields from ledger.record_fields (CUDA: the allocator's peaks)",
+    "Task4:imports-setup": "ledger.CUDA_POINTS instead of the CPU points; BYTE_TOLERANCE 1 % instead of byte for byte",
+    "Task4:lifecycle-vs-measured": "lifecycles key by key within ledger.CUDA_LIFECYCLE_TOLERANCE instead of byte for byte",
+    "Task4:cuda-allocator-peaks": "ledger.allocated_reserved on the GPU's own counters: the allocator model's allocated peak "
+    "within 5 %, reserved beside it, the warm-up's measured cuBLAS workspaces, the allocator history (CPU: the profiler's "
+    "allocator against the tracked tensors)",
+    "Task4:record-state-ledger": "the record's fields from ledger.record_fields (CUDA: the step's own allocator peaks, "
+    "the allocator's forward+backward peak)",
+    "Task4:multi-device-run": "section 8 runs on the CPU with the GPU machine's torch: the exact held-bytes, bitwise and "
+    "collective checks tuned on the CPU profile's torch are printed there, not claimed (EXACT = False)",
     "Task5:imports-setup": "3 warm-up + 21 timed updates on CUDA (1 + 3 on CPU)",
     "Task5:protocol": "gate 2 against the baseline everywhere; the bitwise claim on CPU only",
     "Task5:baseline-ledger": "the baseline peak claim is CPU-only",
@@ -980,13 +1002,18 @@ NOTEBOOK_CELLS = {
 # them; an issue named is one whose fix they wait for.
 KERNEL_CHOICE_CELLS = {
     "Task4:layer-saved-inventory": (
-        "the inventory of the kernel ledger.attention_kernel picks for this device (math for CUDA fp32 GQA)",
+        "the inventory of the kernel ledger.attention_kernel's rule picks for this device (math for CUDA fp32 GQA), "
+        "printed as the rule's",
         None,
     ),
-    "Task4:measure-first-steady": ("per-layer saved bytes against that inventory (1 % claim)", None),
+    "Task4:measure-first-steady": (
+        "the kernel the forward dispatched beside the rule's (claimed equal on a CPU only); per-layer saved bytes "
+        "against the dispatched kernel's inventory within BYTE_TOLERANCE",
+        None,
+    ),
     "Task4:bf16-layer-saved": (
-        "the five named terms against measured − formula (1e-9): the SDPA term carries the RNG seed and offset "
-        "the flash kernel saves on CUDA (ledger.rng_state_saved for the device)",
+        "bf16 per-layer saved bytes against the dispatched kernel's inventory within BYTE_TOLERANCE; its SDPA term "
+        "carries the RNG seed and offset weighed on this GPU (ledger.rng_state_saved)",
         None,
     ),
     "Task5:layer-saved-inventory": (

@@ -27,14 +27,15 @@ from trainmech.ledger import allocator, scenarios, zero
 from trainmech.ledger.book import Ledger, Peak, training_state_lifecycle
 from trainmech.ledger.categories import BATCH_STATES, CATEGORIES, CATEGORY_ZH, MODEL_STATES
 from trainmech.ledger.cli import build_parser, main, render
-from trainmech.ledger.clock import AFTER, BEFORE, LAYER_BACKWARD_MOMENTS, State, phase_of, ticks
+from trainmech.ledger.clock import AFTER, BEFORE, LAYER_BACKWARD_MOMENTS, UPDATES, State, phase_of, ticks
 from trainmech.ledger.compare import (
     CPU_POINTS,
+    CUDA_LIFECYCLE_TOLERANCE,
     CUDA_POINTS,
-    AllocatorPeaks,
+    AllocatedReserved,
     Comparison,
     Measured,
-    allocator_peaks,
+    allocated_reserved,
     measure_matrix,
     measure_point,
     measured_bytes_per_param,
@@ -48,19 +49,30 @@ from trainmech.ledger.formulas import (
     deepspeed_zero2_gpu_bytes,
     deepspeed_zero3_gpu_bytes,
     korthikanti_activation_bytes,
+    korthikanti_differences,
     zero_bytes_per_device,
     zero_communication_volume,
 )
 from trainmech.ledger.inventory import (
     ATTENTION,
     DEVICES,
+    KERNELS,
     SavedTensor,
     attention_kernel,
+    kernel_of_ops,
     layer_saved,
     rng_state_saved,
 )
 from trainmech.ledger.peers import benchmark
-from trainmech.ledger.recipes import FP32_BYTES, INDEX_BYTES, RECIPES, Recipe, recipe, recipe_for_dtype
+from trainmech.ledger.recipes import (
+    FP32_BYTES,
+    INDEX_BYTES,
+    RECIPES,
+    STEP_COUNTER_BYTES,
+    Recipe,
+    recipe,
+    recipe_for_dtype,
+)
 from trainmech.ledger.scenarios import Scenario, scenario_ledger, scenario_matrix
 from trainmech.ledger.shape import SUPPORTED_MODEL_TYPES, ModelShape, load_config, model_shape
 from trainmech.ledger.states import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS
@@ -76,14 +88,16 @@ __all__ = [
     "AFTER",
     "BEFORE",
     "LAYER_BACKWARD_MOMENTS",
+    "UPDATES",
     "State",
     "phase_of",
     "ticks",
     "CPU_POINTS",
     "CUDA_POINTS",
-    "AllocatorPeaks",
+    "CUDA_LIFECYCLE_TOLERANCE",
+    "AllocatedReserved",
     "Comparison",
-    "allocator_peaks",
+    "allocated_reserved",
     "measure_point",
     "record_fields",
     "measured_bytes_per_param",
@@ -91,16 +105,20 @@ __all__ = [
     "deepspeed_zero2_gpu_bytes",
     "deepspeed_zero3_gpu_bytes",
     "korthikanti_activation_bytes",
+    "korthikanti_differences",
     "zero_bytes_per_device",
     "zero_communication_volume",
     "ATTENTION",
     "DEVICES",
+    "KERNELS",
     "SavedTensor",
     "attention_kernel",
+    "kernel_of_ops",
     "layer_saved",
     "rng_state_saved",
     "FP32_BYTES",
     "INDEX_BYTES",
+    "STEP_COUNTER_BYTES",
     "RECIPES",
     "Recipe",
     "recipe",

@@ -7,12 +7,18 @@ The ledger counts tensor bytes. On a GPU three more things take memory:
    1 MiB, 20 MiB for blocks under 10 MiB, the block rounded up to 2 MiB above. Freed blocks stay
    reserved for reuse; a free block is split when the rest is worth keeping (>= 512 B in the small
    pool, > 1 MiB in the large one), and merged with free neighbours. reserved − allocated is this
-   cache and its fragmentation. `CachingAllocatorModel` replays a step's allocations through these
-   rules (c10/cuda/CUDACachingAllocator.cpp: round_size, get_allocation_size, should_split) to
-   predict both peaks; `cuda_peaks(book)` replays a first and a steady update.
-2. cuBLAS and cuBLASLt workspaces, allocated through the same allocator on the first matmul of a
-   stream: 32 MiB each on Hopper (sm90), PyTorch's default CUBLAS_WORKSPACE_CONFIG there; inside
-   allocated, outside every tensor state (`CUBLAS_WORKSPACE_BYTES`, a bound: one or both).
+   cache and its fragmentation. `CachingAllocatorModel` replays a step's states through these rules
+   (c10/cuda/CUDACachingAllocator.cpp: round_size, get_allocation_size, should_split) to predict
+   both peaks; `cuda_peaks(book)` replays a first and a steady update. The replay is an
+   approximation: within a tick every birth comes before every release, a state is its tensors (a
+   lump such as the parameters, one tensor per parameter tensor; a few known groups, such as SDPA's
+   four input gradients, split too) allocated together, and expandable_segments is not modelled.
+2. cuBLAS and cuBLASLt workspaces, allocated through the same allocator on a handle's first matmul on
+   a stream and kept (the backward's device thread has its own handle): inside allocated, outside
+   every tensor state. Their size depends on the torch version and on CUBLAS_WORKSPACE_CONFIG,
+   CUBLASLT_WORKSPACE_SIZE and TORCH_CUBLASLT_UNIFIED_WORKSPACE, so the ledger assumes none: on a GPU,
+   `trainmech.ledger.compare.measure_point` measures them around a warm-up step
+   (`Comparison.workspace_bytes`).
 3. The CUDA context (driver, loaded kernels): outside allocated and reserved alike; only the
    device's own count (nvidia-smi, cudaMemGetInfo) sees it. The ledger does not model it: gpu-check
    measures it (device used − reserved, in its limits), and `cuda_context()` reads that measurement
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainmech.ledger.clock import AFTER, BEFORE
+from trainmech.ledger.recipes import STEP_COUNTER_BYTES
 
 __all__ = [
     "BLOCK_ROUND",
@@ -35,7 +42,6 @@ __all__ = [
     "LARGE_SEGMENT",
     "MIN_LARGE_ALLOC",
     "ROUND_LARGE",
-    "CUBLAS_WORKSPACE_BYTES",
     "round_size",
     "segment_size",
     "CachingAllocatorModel",
@@ -53,7 +59,6 @@ SMALL_SEGMENT = 2 << 20  # kSmallBuffer
 LARGE_SEGMENT = 20 << 20  # kLargeBuffer, for blocks under MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge
-CUBLAS_WORKSPACE_BYTES = 32 << 20  # per cuBLAS or cuBLASLt workspace on sm90 (PyTorch's default on Hopper)
 
 
 def round_size(nbytes: int) -> int:
@@ -143,27 +148,44 @@ class CachingAllocatorModel:
 
 def _pieces(book, state) -> list[int]:
     """The tensors one ledger state stands for: lumps (parameters, optimizer states, the foreach
-    temporaries) are one tensor per parameter tensor; everything else is one tensor."""
+    temporaries) are one tensor per parameter tensor; the states that name several tensors of one
+    operation are split into them (RoPE's cos and sin; its angles, their doubled copy and cos or sin
+    before scaling; SDPA's input gradients; the MLP's two gradients at its `mlp` moment); everything
+    else is one tensor."""
     numels = [n for _, n in book.shape.parameter_tensors()]
-    dtypes = book.setup.dtypes
+    setup, dtypes = book.setup, book.setup.dtypes
     if state.name == "parameters":
         return [n * dtypes.weight_bytes for n in numels]
     if state.category == "optimizer_states" and state.name.startswith("optimizer.") and "@" not in state.name:
         if state.name == "optimizer.step_counters":
-            return [4] * len(numels)
+            return [STEP_COUNTER_BYTES] * len(numels)
         per_tensor = ([dtypes.master_bytes] if dtypes.master_bytes else []) + (
             [dtypes.moment_bytes] * {"adamw": 2, "sgd-momentum": 1}.get(book.optimizer, 0)
         )
         return [n * b for n in numels for b in per_tensor]
-    if state.name == "optimizer.sqrt_temporaries" and book.setup.optimizer_impl == "foreach":
+    if state.name == "optimizer.sqrt_temporaries" and setup.optimizer_impl == "foreach":
         return [n * dtypes.moment_bytes for n in numels]
+    b, s, act = setup.batch, setup.seq, dtypes.activation_bytes
+    d, heads = book.shape.head_dim, book.shape.num_heads
+    q, kv = heads * d, book.shape.num_kv_heads * d
+    if state.name == "rope.cos_sin":
+        return [state.nbytes // 2] * 2
+    if state.name == "rope.angles":
+        return [s * d // 2 * 4, s * d * 4, s * d * 4]
+    if state.name.endswith(".d_act_d_up"):
+        return [state.nbytes // 2] * 2
+    if state.name.endswith(".d_sdpa"):
+        if setup.kernel == "math":  # the two s×s gradients and the repeated v's
+            return [b * heads * s * s * act] * 2 + [b * s * q * act]
+        return [b * s * q * act] * 2 + [b * s * kv * act] * 2  # the output's gradient, dq, dk, dv
     return [state.nbytes]
 
 
 def replay(book, allocator: CachingAllocatorModel, *, keep_before: bool = True) -> CachingAllocatorModel:
     """Run one step's states through the allocator, tick by tick: create what a tick creates, then free
-    what it releases. States alive BEFORE the step are allocated first unless the allocator already holds
-    them (keep_before=False: a steady step after `replay` of the first one left them allocated)."""
+    what it releases (an approximation of the real order, see the module's docstring). States alive
+    BEFORE the step are allocated first unless the allocator already holds them (keep_before=False: a
+    steady step after `replay` of the first one left them allocated)."""
     order = {t: k for k, t in enumerate(book.ticks)}
     if keep_before:
         for st in book.states:
@@ -194,7 +216,6 @@ class CudaPeaks:
     tensor_peak: int
     allocated_peak: int  # rounded blocks, as max_memory_allocated counts them (cuBLAS workspace not included)
     reserved_peak: int  # segments, as max_memory_reserved counts them
-    cublas_workspace_bound: tuple[int, int] = (CUBLAS_WORKSPACE_BYTES, 2 * CUBLAS_WORKSPACE_BYTES)
 
 
 def cuda_peaks(first_book, steady_book=None) -> CudaPeaks:

@@ -228,15 +228,10 @@ class Ledger:
             rows.append((label, category, sum(m.nbytes for m in members), created, consumed, released))
         return sorted(rows, key=lambda r: (order[r[3]], order[r[5]], r[0]))
 
-    def to_json(self) -> dict[str, Any]:
-        peak, fwd_bwd = self.peak_overlap(), self.forward_backward_peak()
+    def options(self, **change) -> dict[str, Any]:
+        """The keyword arguments of `training_state_lifecycle` that rebuild this step (with `change` applied)."""
         s = self.setup
         return {
-            "config": s.shape.name,
-            "model_type": s.shape.model_type,
-            "n_params": s.shape.n_params,
-            "batch": s.batch,
-            "seq": s.seq,
             "dtype": s.recipe,
             "optimizer": s.optimizer,
             "optimizer_impl": s.optimizer_impl,
@@ -245,19 +240,37 @@ class Ledger:
             "device": s.device,
             "attention": s.kernel,
             "padded": s.padded,
-            "step": "first" if s.first_step else "steady",
-            "micro_batch": s.micro_batch,
+            "first_step": s.first_step,
             "micro_batches": s.micro_batches,
+            "micro_batch": s.micro_batch,
             "set_to_none": s.set_to_none,
-            "peak_bytes": peak.bytes,
-            "peak_phase": peak.phase,
-            "peak_tick": peak.tick,
-            "by_category": peak.by_category,
-            "forward_backward_peak_bytes": fwd_bwd.bytes,
-            "forward_backward_peak_tick": fwd_bwd.tick,
-            "state_bytes": self.state_bytes(),
-            "phases": [{"phase": p, "bytes": v} for p, v in self.by_phase().items()],
-        }
+        } | change
+
+    def to_json(self) -> dict[str, Any]:
+        peak, fwd_bwd = self.peak_overlap(), self.forward_backward_peak()
+        s, options = self.setup, self.options()
+        first_step = options.pop("first_step")
+        return (
+            {
+                "config": s.shape.name,
+                "model_type": s.shape.model_type,
+                "n_params": s.shape.n_params,
+                "batch": s.batch,
+                "seq": s.seq,
+            }
+            | options
+            | {
+                "step": "first" if first_step else "steady",
+                "peak_bytes": peak.bytes,
+                "peak_phase": peak.phase,
+                "peak_tick": peak.tick,
+                "by_category": peak.by_category,
+                "forward_backward_peak_bytes": fwd_bwd.bytes,
+                "forward_backward_peak_tick": fwd_bwd.tick,
+                "state_bytes": self.state_bytes(),
+                "phases": [{"phase": p, "bytes": v} for p, v in self.by_phase().items()],
+            }
+        )
 
 
 def _packing_layer(st: State, n_layers: int) -> int:

@@ -59,6 +59,8 @@ def render(book: Ledger, context: allocator.CudaContext | None = None) -> str:
         + ("" if s.set_to_none else " zero_grad(set_to_none=False)"),
         "",
         f"{'category':<20}{'largest footprint':>20}{'at the peak':>20}",
+        "(largest footprint: each category's own maximum over the step, at whatever moment it falls; at the peak:",
+        " its bytes at the moment of the peak overlap, which is the column that adds up to the peak)",
     ]
     for c in CATEGORIES:
         lines.append(f"{c:<20}{_mib(biggest[c]):>20}{_mib(peak.by_category[c]):>20}")
@@ -74,41 +76,23 @@ def render(book: Ledger, context: allocator.CudaContext | None = None) -> str:
         )
     if s.device == "cuda":  # the caching allocator's view of the same step (trainmech.ledger.allocator)
         gpu = allocator.cuda_peaks(
-            training_state_lifecycle(s.shape, s.batch, s.seq, **_options(book, first_step=True)),
+            training_state_lifecycle(s.shape, s.batch, s.seq, **book.options(first_step=True)),
             None if s.first_step else book,
         )
-        one_workspace, both_workspaces = gpu.cublas_workspace_bound
         lines += [
             "",
             "on the GPU, beyond tensor bytes (allocator model, not yet measured):",
             f"  allocated peak {gpu.allocated_peak:,} bytes (blocks rounded to 512 B; a block that is not split is counted whole)",
             f"  reserved peak  {gpu.reserved_peak:,} bytes (the caching allocator's segments; reserved − allocated "
             f"{_mib(gpu.reserved_peak - gpu.allocated_peak)})",
-            f"  cuBLAS/cuBLASLt workspaces: {_mib(one_workspace)} to {_mib(both_workspaces)} more in allocated (sm90 defaults)",
+            "  cuBLAS/cuBLASLt workspaces: unknown (null), more in allocated; their size depends on the torch version and "
+            "CUBLAS_WORKSPACE_CONFIG / CUBLASLT_WORKSPACE_SIZE: Task4 measures them on the GPU around a warm-up step",
             _context_line(context or allocator.CudaContext()),
         ]
     lines.append(
         "not counted: the input batch, kernel-internal scratch that never becomes a tensor, communication buffers"
     )
     return "\n".join(lines)
-
-
-def _options(book: Ledger, **change) -> dict:
-    s = book.setup
-    return {
-        "dtype": s.recipe,
-        "optimizer": s.optimizer,
-        "optimizer_impl": s.optimizer_impl,
-        "optimizer_in_backward": s.in_backward,
-        "checkpointing": s.checkpointing,
-        "device": s.device,
-        "attention": s.kernel,
-        "padded": s.padded,
-        "first_step": s.first_step,
-        "micro_batches": s.micro_batches,
-        "micro_batch": s.micro_batch,
-        "set_to_none": s.set_to_none,
-    } | change
 
 
 def build_parser():

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "UPDATES",
     "LAYER_BACKWARD_MOMENTS",
     "BEFORE",
     "AFTER",
@@ -22,6 +23,7 @@ __all__ = [
     "State",
 ]
 
+UPDATES = ("first", "steady")  # the first update creates AdamW's states; a steady one finds them there
 LAYER_BACKWARD_MOMENTS = ("down_proj", "mlp", "attention", "input_layernorm")
 BEFORE, AFTER = "before", "after"  # a state alive before the step starts / still alive after it ends
 UPDATE_SUFFIX = (

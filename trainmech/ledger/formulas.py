@@ -3,6 +3,7 @@
 zero_bytes_per_device       model-state bytes per device under ZeRO stages 0-3 (Rajbhandari et al.)
 zero_communication_volume   elements each device moves per update under ZeRO (same paper, §7)
 korthikanti_activation_bytes activation bytes per GPT-style layer (Korthikanti et al.)
+korthikanti_differences     that formula against a Qwen2 layer's inventory, as five named terms
 deepspeed_zero2_gpu_bytes / deepspeed_zero3_gpu_bytes   DeepSpeed's own model-state estimators
 """
 
@@ -14,6 +15,7 @@ __all__ = [
     "zero_bytes_per_device",
     "zero_communication_volume",
     "korthikanti_activation_bytes",
+    "korthikanti_differences",
     "deepspeed_zero2_gpu_bytes",
     "deepspeed_zero3_gpu_bytes",
 ]
@@ -50,6 +52,29 @@ def zero_communication_volume(n_params: float, stage: int) -> float:
     """
     _check_stage(stage, 1)
     return (3.0 if stage == 3 else 2.0) * float(n_params)
+
+
+def korthikanti_differences(shape, batch: int, seq: int, inventory) -> dict[str, int]:
+    """Where a Qwen2 layer (16-bit activations) differs from Korthikanti's GPT layer, sbh(34 + 5as/h), as five
+    named terms in bytes (positive: Qwen2 keeps more). shape: a ledger ModelShape; inventory: the layer's
+    saved tensors (`ledger.layer_saved`, 16-bit, the kernel that runs), from which the SDPA term takes what
+    the kernel keeps besides q, k, v and its output (the fp32 logsumexp, RNG state, or math's s×s).
+
+    The terms are arithmetic: the formula plus their sum is this inventory's total by construction (the
+    other rows, Q, the projections' inputs and the norms' outputs, are the same on both sides), so the
+    check of the decomposition is the measured layer against the inventory, not this sum.
+    """
+    s, b, h, a = seq, batch, shape.hidden_size, shape.num_heads  # the paper's symbols
+    kv, inner = shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    kernel = sum(t.nbytes for t in inventory if any(k in t.name for k in ("logsumexp", "rng", "probs")))
+    return {
+        "RMSNorm (fp32 input, rsqrt, normed)": 2 * (4 * s * b * h + 4 * s * b + 2 * s * b * h)
+        - 4 * s * b * h,
+        "grouped-query attention (K, V)": 4 * s * b * kv - 4 * s * b * h,
+        "no dropout (masks, dropout output)": -(2 * s * b * h + 3 * a * s * s * b),
+        "SDPA kernel (what it keeps, no softmax output)": kernel - 2 * a * s * s * b,
+        "SwiGLU (4 tensors of width I)": 8 * s * b * inner - 16 * s * b * h,
+    }
 
 
 def _check_stage(stage: int, n_devices: int) -> None:

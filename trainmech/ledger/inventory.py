@@ -2,13 +2,22 @@
 
 Read off the installed transformers' Qwen2 modules and PyTorch's autograd formulas and SDPA
 kernels, and checked against `trainmech.measure` on CPU. The attention part depends on the SDPA
-kernel PyTorch dispatches, which depends on the device, the dtype and the attention mask:
-`attention_kernel` makes that choice the way PyTorch and transformers make it, so a caller asks for
-the inventory of the device it runs on, never of a default kernel.
+kernel PyTorch dispatches, which depends on the device, the dtype, the attention mask, the GPU and
+the torch and cuDNN versions. Two answers, never mixed up:
+
+- `attention_kernel`: the ledger's rule, for paper calculations (a GPU it cannot see). On a CPU it
+  is what torch dispatches; on CUDA it is a rule of thumb that a version can break.
+- `kernel_of_ops`: the kernel a run really dispatched, read from the ATen ops a tracked forward
+  created its storages with (`trainmech.ledger.compare.measure_point` predicts with that one).
+
+The RNG state an SDPA kernel keeps (`rng_state_saved`) is measured on the GPU when there is one:
+the kernel's own op runs once on small tensors and its seed and offset outputs are weighed;
+without a GPU the shapes come from torch's meta kernels, where on the device they live the rule says.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -18,17 +27,20 @@ from trainmech.ledger.shape import ModelShape
 
 __all__ = [
     "ATTENTION",
+    "KERNELS",
     "DEVICES",
     "SavedTensor",
     "attention_kernel",
+    "kernel_of_ops",
     "norm_saved",
     "attention_saved",
-    "RNG_STATE_BYTES",
+    "RNG_OUTPUTS",
     "rng_state_saved",
     "layer_saved",
 ]
 
-ATTENTION = ("auto", "flash", "efficient", "math")
+KERNELS = ("flash", "efficient", "cudnn", "math")  # SDPA's kernels, as far as memory is concerned
+ATTENTION = ("auto", *KERNELS)
 DEVICES = ("cpu", "cuda")
 
 
@@ -50,14 +62,18 @@ class SavedTensor:
 def attention_kernel(
     shape: ModelShape, recipe_name: str, device: str, attention: str = "auto", *, padded: bool = False
 ) -> str:
-    """The SDPA kernel PyTorch picks for this layer (flash / efficient / math), as far as memory is concerned.
+    """The ledger's rule for the SDPA kernel of this layer (flash / efficient / cudnn / math).
 
-    CPU: its flash kernel, for any dtype, with or without a mask. CUDA: a padded batch comes with an
-    attention mask, which the flash kernel refuses, so transformers repeats K and V to every head and
-    the memory-efficient kernel runs (any dtype). Without a mask: flash for 16-bit activations
-    (autocast included); in fp32 the memory-efficient kernel, except with grouped-query attention,
-    where transformers passes enable_gqa=True, which that kernel refuses, so SDPA falls back to the
-    math composite that keeps the s×s probabilities.
+    CPU: its flash kernel, for any dtype, with or without a mask (what torch 2.13 dispatches). CUDA,
+    on paper: a padded batch comes with an attention mask, which the flash kernel refuses, so
+    transformers repeats K and V to every head and the memory-efficient kernel runs. Without a mask:
+    flash for 16-bit activations (autocast included); in fp32 the memory-efficient kernel, except
+    with grouped-query attention, where transformers passes enable_gqa=True, which that kernel
+    refused in the torch versions this rule was written against, so SDPA falls back to the math
+    composite that keeps the s×s probabilities. A rule, not a measurement: torch ≥ 2.10 with a
+    bundled cuDNN newer than 9.15.0 puts cuDNN first on sm90 / sm100 (sdp_utils.cpp,
+    check_prefer_cudnn_attention), and newer memory-efficient kernels accept enable_gqa. A run on a
+    GPU reads the kernel it dispatched (`kernel_of_ops`).
     """
     if attention not in ATTENTION:
         raise TrainmechError(f"unknown attention kernel {attention!r}; valid: {', '.join(ATTENTION)}")
@@ -72,6 +88,20 @@ def attention_kernel(
     if recipe(recipe_name).sixteen_bit:
         return "flash"
     return "math" if shape.num_heads != shape.num_kv_heads else "efficient"
+
+
+def kernel_of_ops(ops) -> str | None:
+    """The SDPA kernel a forward dispatched, from the names of the ATen ops it ran (or that created its
+    storages): a fused op names its kernel (`_scaled_dot_product_flash_attention_for_cpu`,
+    `_scaled_dot_product_cudnn_attention`, …); the math composite shows as `bmm` and `_softmax`.
+    None: no attention op among them."""
+    names = {str(op).split(".")[0] for op in ops}
+    for kernel in ("flash", "efficient", "cudnn"):
+        if any(n.startswith(f"_scaled_dot_product_{kernel}_attention") for n in names):
+            return kernel
+    if "bmm" in names and names & {"_softmax", "_safe_softmax", "softmax"}:
+        return "math"
+    return None
 
 
 def norm_saved(
@@ -99,22 +129,61 @@ def norm_saved(
     return rows + ([SavedTensor(f"{prefix}.out", (b, s, h), out_bytes, consumed_at)] if keeps_output else [])
 
 
-# SDPA's philox seed and offset on CUDA, as torch/_meta_registrations.py gives them (non-ROCm): the
-# flash kernel returns a (2,) uint64 seed and a () uint64 offset on the device; the memory-efficient
-# kernel a () int64 seed and a () int64 offset on the host (no dropout, no graph capture), which no
-# device byte holds. Their autograd nodes keep both for the backward, dropout or not.
-RNG_STATE_BYTES = 8  # uint64 / int64
+# Where each fused SDPA op returns the philox seed and offset its autograd node keeps for the backward
+# (dropout or not), and whether they live on the device: flash and cuDNN keep them there, the
+# memory-efficient kernel on the host (no dropout, no graph capture), which no device byte holds.
+RNG_OUTPUTS = {"flash": ((6, 7), True), "cudnn": ((6, 7), True), "efficient": ((2, 3), False)}
+
+
+def _sdpa_op(kernel: str, q):
+    """Call the fused CUDA op of `kernel` on (q, q, q), causal, no dropout (meta tensors: shapes only)."""
+    import torch
+
+    aten = torch.ops.aten
+    if kernel == "flash":
+        return aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True, False)
+    if kernel == "cudnn":
+        return aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, True, False)
+    return aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.0, True)
+
+
+@functools.lru_cache(maxsize=None)
+def _rng_outputs(kernel: str, measure_on_gpu: bool) -> tuple[tuple[tuple[int, ...], int, bool], ...]:
+    """(shape, element bytes, on the device) of the seed and offset `kernel` returns: measured by running
+    its op on the GPU (measure_on_gpu), else from torch's meta kernel and the rule for where they live.
+    () when the op cannot run here (a kernel this GPU or torch lacks is never dispatched either)."""
+    import torch
+
+    positions, on_device = RNG_OUTPUTS[kernel]
+    try:
+        if measure_on_gpu:  # (batch, seq, heads, dim) transposed: the layout transformers hands SDPA
+            q = torch.zeros(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        else:
+            q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16)
+        out = _sdpa_op(kernel, q)
+    except Exception:  # noqa: BLE001  this torch / GPU has no such kernel
+        return ()
+    kept = [out[k] for k in positions if isinstance(out[k], torch.Tensor)]
+    return tuple(
+        (tuple(t.shape), t.element_size(), t.device.type == "cuda" if measure_on_gpu else on_device)
+        for t in kept
+    )
 
 
 def rng_state_saved(kernel: str, device: str) -> list[SavedTensor]:
-    """The RNG state one SDPA call keeps on the device for its backward: flash on CUDA only (the CPU
-    kernels return none; the efficient kernel's pair lives on the host, the math kernel has none
-    without dropout)."""
-    if device != "cuda" or kernel != "flash":
+    """The RNG state one SDPA call keeps on the device for its backward. CPU: none (its kernels return
+    output and logsumexp only); math: none without dropout. CUDA: the seed and offset of the fused
+    kernel that stay on the device, weighed on this machine's GPU when it has one (`_rng_outputs`)."""
+    if device != "cuda" or kernel not in RNG_OUTPUTS:
         return []
+    import torch
+
+    outputs = _rng_outputs(kernel, torch.cuda.is_available())
+    names = ("self_attn.sdpa_rng_seed", "self_attn.sdpa_rng_offset")
     return [
-        SavedTensor("self_attn.sdpa_rng_seed", (2,), RNG_STATE_BYTES, "attention"),
-        SavedTensor("self_attn.sdpa_rng_offset", (), RNG_STATE_BYTES, "attention"),
+        SavedTensor(name, shape, element_bytes, "attention")
+        for name, (shape, element_bytes, on_device) in zip(names, outputs)
+        if on_device
     ]
 
 
@@ -123,14 +192,16 @@ def attention_saved(
 ) -> list[SavedTensor]:
     """What SDPA keeps (and, with a mask, transformers' repeated K and V).
 
-    flash / efficient: q, k, v and the output plus one fp32 logsumexp per row (the efficient kernel
-    pads rows to 32), with k and v at kv_heads, or repeated to every head when a mask made
-    transformers call repeat_kv; with a mask also the mask turned into an additive float bias (the
-    efficient kernel pads its last dimension to a multiple of 16). math: q and kᵀ scaled and repeated
+    flash / efficient / cudnn: q, k, v and the output plus one fp32 logsumexp per row (the efficient
+    kernel pads rows to 32; cuDNN's is (b, heads, s, 1), the same bytes), with k and v at kv_heads, or
+    repeated to every head when a mask made transformers call repeat_kv; with a mask also the mask
+    turned into an additive float bias (the efficient kernel pads its last dimension to a multiple of
+    16). cuDNN's inventory is the ledger's reading of its backward's arguments, checked only by a run
+    on a GPU that dispatches it. math: q and kᵀ scaled and repeated
     to every head, v repeated, the s×s softmax probabilities, and the output copy o_proj reads; its v
     and output copy are consumed (o_proj's and probs @ v's backward) before its softmax backward, the
-    `attention` moment, so they are released at the layer's `mlp` moment. On CUDA the flash kernel
-    also keeps its RNG seed and offset (`rng_state_saved`).
+    `attention` moment, so they are released at the layer's `mlp` moment. On CUDA the flash and cuDNN
+    kernels also keep their RNG seed and offset (`rng_state_saved`).
     """
     heads, kv_heads, d, act = shape.num_heads, shape.num_kv_heads, shape.head_dim, element_bytes
     if kernel == "math":

@@ -13,10 +13,19 @@ from dataclasses import dataclass
 
 from trainmech.errors import TrainmechError
 
-__all__ = ["FP32_BYTES", "INDEX_BYTES", "Recipe", "RECIPES", "recipe", "recipe_for_dtype"]
+__all__ = [
+    "FP32_BYTES",
+    "INDEX_BYTES",
+    "STEP_COUNTER_BYTES",
+    "Recipe",
+    "RECIPES",
+    "recipe",
+    "recipe_for_dtype",
+]
 
 FP32_BYTES = 4  # tensors that stay fp32 whatever the recipe: norm statistics, the loss, its log-softmax
 INDEX_BYTES = 8  # int64: position ids, labels
+STEP_COUNTER_BYTES = 4  # AdamW's state["step"]: one fp32 scalar per parameter tensor, never sharded
 
 
 @dataclass(frozen=True)

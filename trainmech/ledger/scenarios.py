@@ -25,6 +25,7 @@ from functools import cached_property
 from trainmech.errors import TrainmechError
 from trainmech.ledger import allocator
 from trainmech.ledger.book import Ledger, Peak, training_state_lifecycle
+from trainmech.ledger.clock import UPDATES
 from trainmech.ledger.recipes import recipe
 from trainmech.ledger.shape import model_shape
 
@@ -51,7 +52,6 @@ __all__ = [
 ]
 
 STRATEGIES = ("baseline", "checkpoint", "offload")
-UPDATES = ("first", "steady")
 # how the optimizer steps, as options of training_state_lifecycle ("default": the device's own choice); which
 # optimizer steps (adamw, sgd, …) is training_state_lifecycle's `optimizer`
 OPTIMIZER_STEPS = {
@@ -282,20 +282,26 @@ VARIANTS = {
     "optimizer in backward": {"optimizer_in_backward": True},
     "zero_grad(set_to_none=False)": {"set_to_none": False},
     "autocast bf16 (fp32 weights)": {"dtype": "autocast-bf16"},
+    "fp32, memory-efficient SDPA kernel (no s×s)": {"attention": "efficient"},
 }
 
 
 def variants(config, batch: int, seq: int, *, micro_batches: int = 2, **options) -> dict[str, Peak]:
-    """The steady whole-update peak under each update option, and under `micro_batches` micro-batches of
-    batch / micro_batches sequences (the same effective batch, accumulated)."""
+    """The steady whole-update peak under each update option, under `micro_batches` micro-batches of
+    batch / micro_batches sequences (the same effective batch, accumulated), and of one plain update of
+    that micro-batch alone (what the window adds to it: the gradients the first micro-batch leaves)."""
     out = {
         name: training_state_lifecycle(config, batch, seq, **{**options, **option}).peak_overlap()
         for name, option in VARIANTS.items()
     }
     if micro_batches > 1 and batch % micro_batches == 0:
-        out[f"{micro_batches} micro-batches of {batch // micro_batches}"] = window_peak(
-            config, batch // micro_batches, seq, micro_batches, **options
+        small = batch // micro_batches
+        out[f"{micro_batches} micro-batches of {small}"] = window_peak(
+            config, small, seq, micro_batches, **options
         )
+        out[f"one update of {small} (no window)"] = training_state_lifecycle(
+            config, small, seq, **options
+        ).peak_overlap()
     return out
 
 
@@ -343,7 +349,7 @@ def render_measured(points: dict[str, tuple]) -> tuple[str, float]:
     """strategy -> (first, steady) Comparisons: the four peaks predicted and measured (tracked tensor bytes,
     on any device). Returns the table and the worst relative error among them."""
     lines = [
-        f"{'strategy':<11}{'update':<8}{'fwd+bwd: ledger':>16}{'measured':>12}{'whole: ledger':>15}{'measured':>12}  whole-update peak phase"
+        f"{'strategy':<11}{'update':<8}{'fwd+bwd: ledger':>16}{'measured':>12}{'whole: ledger':>15}{'measured':>12}  whole-update peak phase (ledger / measured)"
     ]
     worst = 0.0
     for strategy, pair in points.items():

@@ -11,9 +11,7 @@ divide as attention needs, is refused in one sentence.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,27 +109,9 @@ class ModelShape:
 
 def _read_config_file(path: Path) -> Any:
     """The JSON value of a regular file of at most MAX_CONFIG_BYTES; anything else refused in one sentence."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the open
-    except FileNotFoundError:
-        raise TrainmechError(f"config file {path} does not exist") from None
-    except OSError as e:
-        raise TrainmechError(f"config file {path} cannot be opened ({e.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # /dev/zero, a FIFO, a folder: never read
-        os.close(fd)
-        raise TrainmechError(f"config file {path} is not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read(MAX_CONFIG_BYTES + 1)
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise TrainmechError(f"config file {path} is larger than {MAX_CONFIG_BYTES:,} bytes")
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise TrainmechError(f"config file {path} is not UTF-8 text (bad byte at offset {e.start})") from None
-    except (ValueError, RecursionError) as e:
-        raise TrainmechError(
-            f"config file {path} is not readable JSON ({' '.join(str(e).split())[:80]})"
-        ) from None
+    from trainmech.results import read_json
+
+    return read_json(path, "config file", MAX_CONFIG_BYTES, name=str(path))
 
 
 def load_config(source: Any) -> tuple[str, dict]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trainmech.ledger.clock import AFTER, BEFORE, UPDATE_SUFFIX, State, ticks
+from trainmech.ledger.clock import AFTER, BEFORE, UPDATE_SUFFIX, State
 from trainmech.ledger.inventory import SavedTensor, layer_saved, norm_saved
-from trainmech.ledger.recipes import FP32_BYTES, INDEX_BYTES, Recipe, recipe
+from trainmech.ledger.recipes import FP32_BYTES, INDEX_BYTES, STEP_COUNTER_BYTES, Recipe, recipe
 from trainmech.ledger.shape import ModelShape
 
 __all__ = [
@@ -112,6 +112,8 @@ def forward_states(setup: Setup) -> list[State]:
     )
     pure_16bit = dtypes.sixteen_bit and not dtypes.autocast
     out = [
+        # the layers read position_ids until the head; under checkpointing each checkpoint also keeps it as an
+        # input of its layer call until that layer's recompute, which the ledger leaves out (Task4 prints the gap)
         State("position_ids", "unsaved_activations", s * INDEX_BYTES, "forward.embed", "forward.head:norm"),
         # Qwen2RotaryEmbedding in fp32: angles (s, d/2), their doubled copy and cos or sin before scaling
         State(
@@ -448,7 +450,9 @@ def _state_bytes_per_tensor(setup: Setup) -> tuple[int, int]:
         per_element += dtypes.moment_bytes
     # AdamW's state["step"]: one fp32 scalar per tensor, on the host unless fused (so 0 device bytes on CUDA)
     counters = (
-        4 if setup.optimizer == "adamw" and (setup.device == "cpu" or setup.optimizer_impl == "fused") else 0
+        STEP_COUNTER_BYTES
+        if setup.optimizer == "adamw" and (setup.device == "cpu" or setup.optimizer_impl == "fused")
+        else 0
     )
     return per_element, counters
 
@@ -491,20 +495,38 @@ def _in_backward_states(setup: Setup, plain: list[State]) -> list[State]:
     optimizer tick holds nothing.
     """
     grad_bytes = setup.dtypes.grad_bytes
-    per_element, _ = _state_bytes_per_tensor(setup)
+    per_element, counter_bytes = _state_bytes_per_tensor(setup)
+    names = [name for name, _ in setup.shape.parameter_tensors()]
     at_tick: dict[str, list[tuple[int, int]]] = {}  # tick -> (gradient bytes, its update's temporary bytes)
-    born: dict[str, int] = {}  # update tick -> elements whose optimizer states a first update creates there
+    born: dict[str, int] = {}  # update tick -> bytes of the optimizer states a first update creates there
     for st in plain:
         if st.category == "gradients":
             numel = st.nbytes // grad_bytes
             at_tick.setdefault(st.created, []).append((st.nbytes, _step_temporary(setup, [numel])))
-            born[st.created + UPDATE_SUFFIX] = born.get(st.created + UPDATE_SUFFIX, 0) + numel
+            # each parameter tensor's step counter is created by its own hook, with its moments
+            module = st.name.removesuffix(".grad")
+            module = (
+                "model.layers." + module.removeprefix("layer.") if module.startswith("layer.") else module
+            )
+            tensors = sum(1 for n in names if n == module or n.startswith(module + "."))
+            update = st.created + UPDATE_SUFFIX
+            born[update] = born.get(update, 0) + numel * per_element + tensors * counter_bytes
 
     def created_by_update(st):
         return setup.first_step and st.category == "optimizer_states" and st.created == "optimizer"
 
+    last_update = (
+        "backward.embed:accumulate" + UPDATE_SUFFIX
+    )  # a hook after the backward's last moment (tied)
+    extend = last_update in {tick + UPDATE_SUFFIX for tick in at_tick}
+
+    def until_backward_returns(st):  # the loss and its seed outlive that hook: backward() returns after it
+        if extend and st.name in ("loss.value", "loss.grad_seed"):
+            return dataclasses.replace(st, released_at=last_update)
+        return st
+
     out = [
-        st
+        until_backward_returns(st)
         for st in plain
         if st.category != "gradients"
         and st.name != "optimizer.sqrt_temporaries"
@@ -519,16 +541,10 @@ def _in_backward_states(setup: Setup, plain: list[State]) -> list[State]:
         ]
         if temp:
             out.append(State(f"optimizer.sqrt_temporaries@{update}", "workspace", temp, update, update))
-    if setup.first_step and per_element:
+    if setup.first_step:
         out += [
-            State(f"optimizer.states@{tick}", "optimizer_states", numel * per_element, tick, AFTER)
-            for tick, numel in born.items()
-        ]
-        order = ticks(setup.shape.num_layers, setup.checkpointing)
-        first = min(born, key=lambda t: order.index(t.removesuffix(UPDATE_SUFFIX)))
-        out += [
-            dataclasses.replace(st, created=first)
-            for st in plain
-            if created_by_update(st) and st.name == "optimizer.step_counters"
+            State(f"optimizer.states@{tick}", "optimizer_states", nbytes, tick, AFTER)
+            for tick, nbytes in born.items()
+            if nbytes
         ]
     return out

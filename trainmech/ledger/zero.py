@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from trainmech.ledger.categories import CATEGORIES
 from trainmech.ledger.clock import AFTER, BEFORE, State
 from trainmech.ledger.formulas import _check_stage
+from trainmech.ledger.recipes import FP32_BYTES, STEP_COUNTER_BYTES
 
 __all__ = [
     "ZERO_SPLIT",
@@ -166,7 +167,29 @@ def zero_partition(numels: list[int], n: int) -> list[list[int]]:
     return ranks
 
 
-def _loop_temporary(numels: list[int], moment_bytes: int = 4) -> int:
+def _own_update(label: str, numels: list[int], *, counters: int) -> list[State]:
+    """What one rank's AdamW update (fp32, the CPU's loop) creates for the elements it updates itself: the
+    two moments, `counters` step counters (ZeroRedundancyOptimizer: one per own tensor; FSDP2: one per
+    tensor, rows or not), and the loop's sqrt temporaries."""
+    return [
+        State(
+            f"optimizer.adamw_states ({label})",
+            "optimizer_states",
+            2 * FP32_BYTES * sum(numels) + STEP_COUNTER_BYTES * counters,
+            "optimizer",
+            AFTER,
+        ),
+        State(
+            f"optimizer.sqrt_temporaries ({label})",
+            "workspace",
+            _loop_temporary(numels),
+            "optimizer",
+            "optimizer",
+        ),
+    ]
+
+
+def _loop_temporary(numels: list[int], moment_bytes: int = FP32_BYTES) -> int:
     """AdamW's for-loop: two sqrt temporaries of one tensor while the previous tensor's denom is referenced."""
     return max((prev + 2 * cur for prev, cur in zip([0, *numels], numels)), default=0) * moment_bytes
 
@@ -209,22 +232,7 @@ def per_rank(config, batch: int, seq: int, stage: int, world_size: int, rank: in
         shards = _shards(book.shape)
         mine = [shards[k].numel for k in zero_partition([s.numel for s in shards], world_size)[rank]]
         states = [st for st in book.states if not st.name.startswith("optimizer.")]
-        states += [
-            State(
-                "optimizer.adamw_states (own share)",
-                "optimizer_states",
-                8 * sum(mine) + 4 * len(mine),
-                "optimizer",
-                AFTER,
-            ),
-            State(
-                "optimizer.sqrt_temporaries (own share)",
-                "workspace",
-                _loop_temporary(mine),
-                "optimizer",
-                "optimizer",
-            ),
-        ]
+        states += _own_update("own share", mine, counters=len(mine))
         return dataclasses.replace(book, states=tuple(states))
     return _fsdp_rank(
         training_state_lifecycle(config, b, seq, first_step=True, optimizer_impl="loop"),
@@ -347,23 +355,7 @@ def _fsdp_rank(book, stage: int, n: int, rank: int):
             ),
         ]
     local = [shards[name].local(n, rank) for name, _ in shape.parameter_tensors()]
-    mine = [x for x in local if x]
-    states += [
-        State(
-            "optimizer.adamw_states (own rows)",
-            "optimizer_states",
-            8 * sum(mine) + 4 * len(local),
-            "optimizer",
-            AFTER,
-        ),
-        State(
-            "optimizer.sqrt_temporaries (own rows)",
-            "workspace",
-            _loop_temporary(mine),
-            "optimizer",
-            "optimizer",
-        ),
-    ]
+    states += _own_update("own rows", [x for x in local if x], counters=len(local))
     return dataclasses.replace(book, ticks=ticks_, states=tuple(states))
 
 
@@ -418,11 +410,12 @@ def held_per_rank(config, stage: int, world_size: int, rank: int = 0) -> dict[st
         return {
             "parameters": 4 * shape.n_params,
             "gradients": 4 * shape.n_params,
-            "optimizer_states": 8 * sum(own) + 4 * len(own),
+            "optimizer_states": 2 * FP32_BYTES * sum(own) + STEP_COUNTER_BYTES * len(own),
         }
     padded = 4 * sum(s.padded_shard(world_size) for s in shards)
     return {
         "parameters": padded,
         "gradients": padded,
-        "optimizer_states": 8 * sum(s.local(world_size, rank) for s in shards) + 4 * len(shards),
+        "optimizer_states": 2 * FP32_BYTES * sum(s.local(world_size, rank) for s in shards)
+        + STEP_COUNTER_BYTES * len(shards),
     }
