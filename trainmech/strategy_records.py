@@ -23,7 +23,7 @@ from trainmech.ledger.compare import MEASURED_PEAK_WITH
 from trainmech.offload import TransferStats
 from trainmech.tracing import Performance, Trace
 
-__all__ = ["MEASURED_WITH", "StrategyRun", "ledger_fields", "timing_table"]
+__all__ = ["MEASURED_WITH", "StrategyRun", "ledger_fields", "timing_table", "saved_outside_layers"]
 
 MEASURED_WITH = {
     "cuda": "torch.cuda.max_memory_reserved / max_memory_allocated (one steady update, cache emptied)",
@@ -198,3 +198,17 @@ def timing_table(runs: dict[str, StrategyRun]) -> str:
             f"{cell(p.transfer_time_s, '.4f'):>11}"
         )
     return "\n".join(lines)
+
+
+def saved_outside_layers(book: ledger.Ledger, tick: str) -> dict[str, int]:
+    """The ledger's saved states alive at `tick` that no decoder layer holds (RoPE's cos / sin, the final norm,
+    the loss's log-softmax, …): name -> bytes, in the ledger's order."""
+    index = {t: k for k, t in enumerate(book.ticks)} | {ledger.BEFORE: -1, ledger.AFTER: len(book.ticks)}
+    at = index[tick]
+    return {
+        st.name: st.nbytes
+        for st in book.states
+        if st.category == "saved"
+        and not st.name.startswith("layer.")
+        and index[st.created] <= at <= index[st.released_at]
+    }
