@@ -24,7 +24,8 @@ training movement for quality) and are checked against the reference's own noise
 (run-to-run noise: a tolerance must stand well above it) and with another seed (a changed RNG: a
 tolerance must stay well below it, else an RNG bug would pass). `decide` keeps "wrong" (a failed
 gate: reject) apart from "not worth it" (correct, no memory and no time gained: no-gain), and counts a
-capacity gain (less memory per sequence of a micro-batch) even where the optimizer step still peaks as high.
+capacity gain (less memory per sequence of a micro-batch, over its forward + backward) even where the optimizer
+step still peaks as high.
 
 FP16's GradScaler may skip an update the reference made (an overflow after the calibrated start): that is
 GradScaler doing its job, not the candidate's error. `judge` then holds the candidate to the reference
@@ -70,6 +71,7 @@ __all__ = [
     "gradients_gate",
     "updates_gate",
     "quality_gate",
+    "magnitude",
     "scaler_skips",
     "correctness_gate",
     "DecisionRule",
@@ -353,7 +355,8 @@ def gradients_gate(
         "errors_all_windows": everywhere,
         "worst": {n: everywhere[n] for n in worst},
         "windows_compared": len(windows),
-        "window_worst": [max(per_window[k].values()) for k in windows],
+        "compared": windows,  # the attempts whose gradients were compared, in order
+        "window_worst": [max(per_window[k].values()) for k in windows],  # … the worst error of each
         "first_bad_window": bad_windows[0] if bad_windows else None,
         "parameters": len(everywhere),
         "loss_abs_error": max(abs(cand.losses[k] - ref.losses[k]) for k in windows),
@@ -477,9 +480,10 @@ def _power_of_two(x: float) -> str:
     return f"2**{int(k)}" if k == int(k) else f"{x:g}"
 
 
-def _order(x: float) -> str:
-    """A noise-level float by its order of magnitude (one significant digit), 0 exactly as 0."""
-    return "0" if x == 0 else f"{x:.0e}"
+def magnitude(x: float) -> str:
+    """A noise-level float as the power of ten just above it ("< 1e-04"), 0 exactly as "0": its size is shown,
+    and its last digits, which another machine's rounding moves, are not."""
+    return "0" if x == 0 else f"< 1e{math.floor(math.log10(x)) + 1:+03d}"
 
 
 def quality_gate(
@@ -503,7 +507,8 @@ def quality_gate(
         passed,
         evidence,
         f"held-out loss {num(cand.held_out_loss)} vs {num(ref.held_out_loss)}: "
-        f"|Δ| = {_order(delta)} {'≤' if passed else '>'} {num(tol.quality_bound, 2)} nats ({tol.quality_from})",
+        f"|Δ| {'= 0' if delta == 0 else magnitude(delta)}, {'within' if passed else 'over'} the bound "
+        f"{num(tol.quality_bound, 2)} nats ({tol.quality_from})",
     )
 
 
@@ -569,9 +574,9 @@ def decide_measured(
     """accept / tune / no-gain from GPU measurements of a correct candidate.
 
     update_drop = 1 - the reserved peak of a whole steady update / the reference's: what decides whether
-    this workload fits. capacity_gain = 1 - what one more sequence adds to the peak of a micro-batch's
-    forward + backward / the reference's: what the largest micro-batch that fits hinges on, even where the
-    optimizer step peaks as high as before. time_ratio = median update / the reference's. slack: how far
+    this workload fits. capacity_gain = 1 - what one more sequence adds to the forward + backward peak of a
+    micro-batch accumulating into a window's gradients / the reference's (`tracing.Performance.bytes_per_row`):
+    what the largest micro-batch that fits hinges on, even where the optimizer step peaks as high as before. time_ratio = median update / the reference's. slack: how far
     update_drop may fall below 0 and still mean "no higher peak" (the allocator's rounding, as a fraction of
     the reference's reserved peak: `rule.reserved_slack_bytes / reserved`).
     accept: no higher peak, and a memory gain (either ≥ min_peak_drop) at ≤ max_time_ratio, or faster by
@@ -928,5 +933,5 @@ def strategy_table(reference: Performance, reports: dict[str, Report]) -> str:
     for name, r in reports.items():
         p, q = r.performance, r.verdict("quality").evidence
         ratio = p.step_time_median_s / r.reference_performance.step_time_median_s if gpu else None
-        lines.append(row(name, p, _order(q["delta"]), num(q["bound"], 2), ratio, r.outcome or "null"))
+        lines.append(row(name, p, magnitude(q["delta"]), num(q["bound"], 2), ratio, r.outcome or "null"))
     return "\n".join(lines)

@@ -10,8 +10,8 @@ forgetting it is a bug the gates can see.
 read through `measure.allocator_window` (CUDA: allocated and reserved, the cache emptied before, for a
 forward + backward and for a whole update, with the memory outside the allocator; a CPU's allocator only
 when forced, `allocator="cpu-profiler"`, so a CPU runs that bookkeeping too) and, on any device, the
-tracked tensor bytes —, what one more sequence adds to the peak of a micro-batch's forward + backward (the
-capacity slope), then step times with the reference's and the candidate's updates interleaved, so that a
+tracked tensor bytes —, what one more sequence adds to the forward + backward peak of a micro-batch inside an
+accumulation window (the capacity slope), then step times with the reference's and the candidate's updates interleaved, so that a
 drift of the machine hits both alike.
 """
 
@@ -469,8 +469,10 @@ class Performance:
     cuda_context_bytes: (
         int | None
     )  # device memory in use outside this process's allocator (the CUDA context, others)
-    bytes_per_row: int  # what one more sequence in a micro-batch adds to the peak of its forward + backward
-    #                     (CUDA: allocated; elsewhere tracked): the capacity criterion, what the largest micro-batch that fits hinges on
+    # bytes_per_row: what one more sequence adds to the forward + backward peak of a micro-batch accumulating into
+    # a window's gradients (CUDA: allocated; elsewhere tracked): the capacity criterion, what the largest
+    # micro-batch that fits hinges on (`_bytes_per_row`)
+    bytes_per_row: int
     tracked_peak_bytes: int  # tensor storages born in one steady update, at their peak (any device)
     tracked_forward_backward_bytes: int  # … before the optimizer step
     exposed_transfer_time_s: (
@@ -568,35 +570,36 @@ def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | N
     return out
 
 
-def _forward_backward_peak(
+def _accumulating_peak(
     cand: Candidate, state, micro_batch: dict, device: torch.device, source: str | None
 ) -> int:
-    """The peak of one micro-batch's forward + backward above what lived before: the allocator's (its window
-    around the backward), without an allocator the tracked tensor bytes born in it. Its gradients are dropped
-    after. Everything a micro-batch's rows hold at some moment counts: the saved tensors, the logits and the
-    loss's log-softmax and their gradients, a replayed layer, the fetched copies of an offload's prefetch."""
+    """The peak of one micro-batch's forward + backward above what lived before, accumulating into gradients
+    that are already alive: the allocator's (its window around the backward), without an allocator the tracked
+    tensor bytes born in it. Everything the micro-batch's rows hold at some moment counts: the saved tensors,
+    the logits, the loss's log-softmax and their gradients, a replayed layer, an offload's fetched copies."""
     if source:
         with allocator_window(device, source) as window:
             cand.backward(state, MicroBatches([micro_batch]))
-        peak = window.peak_above_start
-    else:
-        with StorageTracker("backward") as tracker:
-            cand.backward(state, MicroBatches([micro_batch]))
-        peak = max(tracker.live, default=0)
-    state.optimizer.zero_grad(set_to_none=True)
-    return peak
+        return window.peak_above_start
+    with StorageTracker("backward") as tracker:
+        cand.backward(state, MicroBatches([micro_batch]))
+    return max(tracker.live, default=0)
 
 
 def _bytes_per_row(
     cand: Candidate, state, micro_batch: dict, device: torch.device, source: str | None
 ) -> int:
-    """The capacity slope: (forward + backward peak with the micro-batch's rows twice - with them once) / rows."""
-    doubled = {k: torch.cat([v, v]) for k, v in micro_batch.items()}
+    """The capacity slope: what one more sequence adds to the peak of a micro-batch that accumulates into a
+    window's gradients (every micro-batch after the first), measured between the micro-batch's rows twice and
+    four times over: (peak with 4x the rows - with 2x) / (2 x rows). The gradients exist first, so the peak sits
+    where the rows' own bytes are largest, not at a step that only creates the gradients; the values do not
+    matter (nothing is updated, the gradients are dropped after)."""
     rows = int(micro_batch["input_ids"].shape[0])
-    return (
-        _forward_backward_peak(cand, state, doubled, device, source)
-        - _forward_backward_peak(cand, state, micro_batch, device, source)
-    ) // rows
+    times = lambda k: {key: torch.cat([v] * k) for key, v in micro_batch.items()}  # noqa: E731
+    cand.backward(state, MicroBatches([micro_batch]))  # the gradients are alive from here on, as in a window
+    peaks = [_accumulating_peak(cand, state, times(k), device, source) for k in (2, 4)]
+    state.optimizer.zero_grad(set_to_none=True)
+    return (peaks[1] - peaks[0]) // (2 * rows)
 
 
 def _transfer(cand: Candidate, attempts: int) -> tuple[float | None, float | None]:
