@@ -18,7 +18,18 @@ from functools import partial
 import pytest
 import torch
 
-from trainmech import amp, candidates, checkpointing, gates, profiles, supervision, tracing, update, workload
+from trainmech import (
+    amp,
+    candidates,
+    checkpointing,
+    gates,
+    plots,
+    profiles,
+    supervision,
+    tracing,
+    update,
+    workload,
+)
 from trainmech.errors import TrainmechError
 
 pytestmark = pytest.mark.task6
@@ -321,7 +332,7 @@ def test_every_planted_bug_has_its_true_twin_and_every_twin_is_judged():
 def test_the_fixed_variants_pass_the_gates_without_a_measurement(gw, reference, fixed):
     report = gates.judge(fixed, gw, reference, measure=False)
     assert [v.passed for v in report.verdicts] == [True] * 4 and report.performance is None
-    assert "not measured" in report.lines()[-2]
+    assert "not measured" in report.lines()[-2] and report.stages() == [True] * 4 + ["not measured"]
 
 
 def test_the_reference_skips_exactly_the_injected_attempts_and_its_noise_floor(reference):
@@ -728,3 +739,22 @@ def test_the_profiles_carry_the_gate_workload_in_both_modes():
         spec = p.workloads[wid]
         assert spec.micro_batches == [2] and spec.batch % 2 == 0 and spec.updates > max(INJECT_AT) + 1
         assert spec.experiments == ["TRAIN-CORRECTNESS-GATE", "TRAIN-MEMORY-STRATEGY"]
+
+
+def test_the_gradient_error_figure_names_each_tolerance_and_the_matrix_marks_what_was_not_measured():
+    fig = plots.grad_errors(
+        ["a", "b"],
+        {"fp16": [1e-3, 2e-3], "bug": [1.0, 2.0]},
+        {"fp16": 2e-2, "bug": 1e-4},
+        against="the reference run",
+    )
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"fp16: tolerance 2e-02", "bug: tolerance 1e-04"} <= set(labels)
+    assert "vs the reference run" in fig.axes[0].get_title()
+    rows = {
+        "twin": [True] * 4 + ["not measured"],
+        "bug": [True, False, None, None, None],
+        "real": [True] * 4 + ["measured"],
+    }
+    marks = [t.get_text() for t in plots.gate_matrix(rows, list(gates.GATES)).axes[0].texts]
+    assert marks.count("○") == 1 and marks.count("·") == 3 and marks.count("—") == 1
