@@ -28,14 +28,14 @@ import torch
 
 from trainmech import amp, checkpointing, supervision, update
 from trainmech.errors import TrainmechError
-from trainmech.offload import ActivationOffload
+from trainmech.offload import activation_offload
 from trainmech.update import wsd_multiplier
 from trainmech.workload import lm_batch, split_micro_batches, supervised_tokens, uneven_batch
 
 __all__ = [
     "MAX_SCALE_HALVINGS",
     "TrainState",
-    "Window",
+    "MicroBatches",
     "window_backward",
     "effective_update",
     "Candidate",
@@ -67,8 +67,9 @@ class TrainState:
         return next(self.model.parameters()).device
 
 
-class Window(list):
-    """One accumulation window: its micro-batches, with their supervised token counts counted once."""
+class MicroBatches(list):
+    """The micro-batches of one accumulation window, with their supervised token counts counted once
+    (what a window's backward is handed; `supervision.Window` is what accumulating it produced)."""
 
     def __init__(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         super().__init__(micro_batches)
@@ -149,14 +150,14 @@ def activation_checkpointing(model: torch.nn.Module, **checkpoint_kwargs):
 
 class Offloading:
     """Activation offload as a strategy context: one set of saved-tensor hooks per micro-batch,
-    `ActivationOffload.for_model(model, **offload_kwargs)` unless `hooks` (model -> hooks) says otherwise.
+    `offload.activation_offload(model, **offload_kwargs)` unless `hooks` (model -> hooks) says otherwise.
 
     Every instance is kept (`runs`) until `collect()`: its bytes right away, its CUDA copy and wait
     times once the timed steps are over (reading them waits for the device).
     """
 
     def __init__(self, hooks: Callable[[torch.nn.Module], object] | None = None, **offload_kwargs) -> None:
-        self.make = hooks or (lambda model: ActivationOffload.for_model(model, **offload_kwargs))
+        self.make = hooks or (lambda model: activation_offload(model, **offload_kwargs))
         self.runs: list = []
 
     @contextmanager
@@ -209,7 +210,7 @@ class GateWorkload:
 
     model: torch.nn.Module
     initial: dict[str, torch.Tensor]  # state_dict copy on the CPU
-    windows: list[Window]  # one accumulation window per update attempt
+    windows: list[MicroBatches]  # one accumulation window per update attempt
     held_out: dict[str, torch.Tensor]
     inject_at: tuple[int, ...] = ()  # attempts whose logits are made NaN: a non-finite sample
     lr: float = 1e-3
@@ -227,7 +228,7 @@ class GateWorkload:
         return next(self.model.parameters()).device
 
     @property
-    def clean(self) -> list[Window]:
+    def clean(self) -> list[MicroBatches]:
         """The windows of attempts without an injected sample (for timing)."""
         return [w for a, w in enumerate(self.windows) if a not in self.inject_at]
 
@@ -281,7 +282,7 @@ def gate_workload(
     the effective updates (attempts minus injected ones)."""
     device = next(model.parameters()).device
     windows = [
-        Window(
+        MicroBatches(
             [
                 _on(device, mb)
                 for mb in split_micro_batches(uneven_batch(rows, seq, offset=a * rows * seq), micro_batches)
@@ -331,7 +332,7 @@ def fixed_batch_workload(
     return GateWorkload(
         model,
         initial,
-        [Window([_on(device, batch)]) for _ in range(updates)],
+        [MicroBatches([_on(device, batch)]) for _ in range(updates)],
         _on(device, lm_batch("general", rows, seq)),
         (),
         lr,

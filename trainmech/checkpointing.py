@@ -70,6 +70,10 @@ def hf_checkpointing(model: torch.nn.Module, **checkpoint_kwargs) -> Iterator[No
     context_fn=...). Recent transformers name the switch `activation_checkpointing_enable` and
     deprecate `gradient_checkpointing_enable`; whichever this version has is used. Run the model
     with use_cache=False: a KV cache written in a replayed forward would be written twice.
+
+    The switch also calls `enable_input_require_grads()`, a forward hook on the input embeddings that the
+    switch's `disable` removes only for a PEFT model; it is removed here on exit, or one more hook would run
+    in every later forward for each time the block was entered.
     """
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
@@ -78,11 +82,15 @@ def hf_checkpointing(model: torch.nn.Module, **checkpoint_kwargs) -> Iterator[No
         **checkpoint_kwargs,
         "context_fn": _announced(checkpoint_kwargs.get("context_fn")),
     }
+    embeddings = model.get_input_embeddings()
+    hooks_before = len(embeddings._forward_hooks)
     enable(kwargs)  # the first parameter in both spellings
     try:
         yield
     finally:
         disable()
+        if len(embeddings._forward_hooks) > hooks_before:  # enable_input_require_grads' hook, left by disable
+            model.disable_input_require_grads()
 
 
 @contextmanager
@@ -154,12 +162,21 @@ def _counted(func) -> bool:
 
 @dataclass
 class RecomputeCount:
-    """Ops inside checkpointed regions: run in the forward, kept by a policy, run again in the backward."""
+    """Ops inside checkpointed regions: run in the forward, kept by a policy, run again in the backward.
+
+    Every op the forward ran is one of three in the backward: kept (a selective policy saved its output, the
+    recompute reads it from the cache), recomputed, or skipped (after the last saved tensor the backward
+    needs: the non-reentrant replay stops early and never reaches it)."""
 
     forward_ops: int = 0
     saved_ops: int = 0
     recomputed_ops: int = 0
     recomputed_by_op: Counter = field(default_factory=Counter)
+
+    @property
+    def skipped_ops(self) -> int:
+        """Forward ops neither kept nor recomputed: those the replay's early stop never reached."""
+        return self.forward_ops - self.saved_ops - self.recomputed_ops
 
 
 class _OpCounter(TorchDispatchMode):

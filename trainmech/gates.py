@@ -16,7 +16,7 @@ the first that fails; a fifth stage measures and never passes or fails:
     5 performance  a measurement, not a gate (its verdict's `passed` is None), only after 1-4 passed
 
     ref = gates.make_reference(gw)                 # the FP32 baseline's trace, and its noise floor
-    report = gates.judge(candidate, gw, ref)
+    report = gates.judge(candidate, gw, ref)       # gates 1-4 (`correctness_gate`), then the measurement
     report.outcome, report.reason                  # accept / tune / no-gain / reject, or None without GPU numbers
 
 Tolerances (`tolerances`) start from the dtype (unit roundoff for gradients, a fraction of the
@@ -24,11 +24,19 @@ training movement for quality) and are checked against the reference's own noise
 (run-to-run noise: a tolerance must stand well above it) and with another seed (a changed RNG: a
 tolerance must stay well below it, else an RNG bug would pass). `decide` keeps "wrong" (a failed
 gate: reject) apart from "not worth it" (correct, no memory and no time gained: no-gain), and counts a
-capacity gain (less memory per sequence of a micro-batch) even where the optimizer step still peaks as high.
+capacity gain (less memory per sequence of a micro-batch, over its forward + backward) even where the optimizer
+step still peaks as high.
+
+FP16's GradScaler may skip an update the reference made (an overflow after the calibrated start): that is
+GradScaler doing its job, not the candidate's error. `judge` then holds the candidate to the reference
+skipping the same attempts, and gate 3 reports those skips apart from the update clock — up to a quarter
+of the reference's effective updates (`MAX_SCALER_SKIP_FRACTION`); more, and the loss scale is not settled.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +52,7 @@ __all__ = [
     "QUALITY_FRACTION",
     "NOISE_MULTIPLE",
     "SEED_SEPARATION",
+    "MAX_SCALER_SKIP_FRACTION",
     "EVIDENCE_LEVEL",
     "OUTCOMES",
     "RECORD_DECISION",
@@ -62,6 +71,9 @@ __all__ = [
     "gradients_gate",
     "updates_gate",
     "quality_gate",
+    "magnitude",
+    "scaler_skips",
+    "correctness_gate",
     "DecisionRule",
     "RULE",
     "decide_measured",
@@ -87,6 +99,10 @@ GRAD_FLOOR = 1e-3  # a parameter's scale is at least GRAD_FLOOR x the largest gr
 QUALITY_FRACTION = {"float32": 0.005, "float16": 0.02, "bfloat16": 0.05}
 NOISE_MULTIPLE = 10  # a tolerance stands at least this far above the reference's run-to-run noise
 SEED_SEPARATION = 3  # … and this far below what another RNG seed changes, or an RNG bug would pass
+# Gate 3: GradScaler skips of attempts the reference stepped, as a share of the reference's effective updates,
+# that are judged like for like (the reference skipping them too). Each overflow halves the scale, so a correct
+# candidate after the calibrated start overflows rarely; losing more than this means the scale is not settled.
+MAX_SCALER_SKIP_FRACTION = 0.25
 EVIDENCE_LEVEL = {"cpu": "cpu-mechanism", "cuda": "gpu-measured"}
 OUTCOMES = ("accept", "tune", "no-gain", "reject")
 RECORD_DECISION = {
@@ -119,8 +135,14 @@ def _finite(grads: dict[str, torch.Tensor]) -> bool:
 
 def compared_windows(ref: Trace, cand: Trace) -> list[int]:
     """The attempts whose gradients gate 2 compares: every one the reference finished with finite gradients
-    (an injected non-finite sample makes both NaN), as far as the candidate got."""
-    return [k for k in range(min(len(ref.grads), len(cand.grads))) if _finite(ref.grads[k])]
+    (an injected non-finite sample makes both NaN), as far as the candidate got, except those whose scaled
+    FP16 gradients the candidate's GradScaler found non-finite and skipped (gate 3 judges those skips)."""
+    backoff = cand.scaler_backoff
+    return [
+        k
+        for k in range(min(len(ref.grads), len(cand.grads)))
+        if _finite(ref.grads[k]) and not (k < len(backoff) and backoff[k])
+    ]
 
 
 def worst_error(ref: Trace, cand: Trace, windows: list[int] | None = None) -> float:
@@ -150,9 +172,10 @@ def noise_floor(reference: Candidate, gw: GateWorkload, ref_trace: Trace) -> Noi
     """Run the reference twice more, each window from the reference's own weights: with the workload's seed (its
     run-to-run noise; 0 on a CPU) and with the next seed (dropout draws other masks: the effect an RNG bug has)."""
     again = run_trace(reference, gw, teacher=ref_trace)
+    grad_self, again.grads = worst_error(ref_trace, again), []  # one run's gradients in host memory at a time
     other = run_trace(reference, gw, seed=gw.seed + 1, teacher=ref_trace)
     return NoiseFloor(
-        worst_error(ref_trace, again),
+        grad_self,
         worst_error(ref_trace, other, [0]),
         abs(again.held_out_loss - ref_trace.held_out_loss),
         abs(other.held_out_loss - ref_trace.held_out_loss),
@@ -195,6 +218,13 @@ class Reference:
 
     def tolerances(self, dtype: str) -> Tolerances:
         return tolerances(dtype, self.trace, self.floor)
+
+    def skipping(self, gw: GateWorkload, attempts: list[int]) -> tuple[GateWorkload, Reference]:
+        """The workload with `attempts` skipped too (a non-finite sample there, as at `inject_at`), and the
+        reference run on it: what a candidate whose GradScaler skipped those attempts is held to."""
+        skipped = dataclasses.replace(gw, inject_at=tuple(sorted({*gw.inject_at, *attempts})))
+        trace = run_trace(self.candidate, skipped, keep_weights=True)
+        return skipped, Reference(self.candidate, trace, self.floor, self.peaks)
 
 
 def make_reference(
@@ -286,8 +316,9 @@ def inputs_gate(
 def gradients_gate(
     ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
-    """Gate 2: the dtype that ran is the claimed one; in every compared window every parameter's gradient
-    within its tolerance."""
+    """Gate 2: the claimed dtype ran (float32 beside it is allowed: a mixed-precision candidate may keep a
+    Linear, e.g. the head, in full precision; a claim of FP16 where only float32 ran fails); in every compared
+    window every parameter's gradient within the claimed dtype's tolerance."""
     tol = tol or tolerances(claimed_dtype, ref)
     stopped = _stopped(cand)
     if not cand.grads:
@@ -299,7 +330,7 @@ def gradients_gate(
         "rtol": tol.grad_rtol,
         "rtol_from": tol.grad_from,
     }
-    if ran != [claimed_dtype]:
+    if claimed_dtype not in ran or not set(ran) <= {claimed_dtype, "float32"}:
         return Verdict(
             "gradients",
             False,
@@ -307,6 +338,8 @@ def gradients_gate(
             f"claims {claimed_dtype}, but the Linear layers ran {'/'.join(ran) or 'nothing'}",
         )
     windows = compared_windows(ref, cand)
+    if not windows:
+        return Verdict("gradients", False, evidence, "no window to compare: GradScaler skipped every one")
     per_window = {k: gradient_errors(ref.grads[k], cand.grads[k]) for k in windows}
     bound = lambda k: tol.grad_rtol  # noqa: E731
     first = per_window.get(0, {})
@@ -322,7 +355,8 @@ def gradients_gate(
         "errors_all_windows": everywhere,
         "worst": {n: everywhere[n] for n in worst},
         "windows_compared": len(windows),
-        "window_worst": [max(per_window[k].values()) for k in windows],
+        "compared": windows,  # the attempts whose gradients were compared, in order
+        "window_worst": [max(per_window[k].values()) for k in windows],  # … the worst error of each
         "first_bad_window": bad_windows[0] if bad_windows else None,
         "parameters": len(everywhere),
         "loss_abs_error": max(abs(cand.losses[k] - ref.losses[k]) for k in windows),
@@ -357,17 +391,35 @@ def gradients_gate(
     )
 
 
+def _effective(trace: Trace) -> int:
+    return sum(s and f for s, f in zip(trace.stepped, trace.finite))
+
+
+def scaler_skips(ref: Trace, cand: Trace) -> list[int]:
+    """Attempts the reference stepped where the candidate's GradScaler lowered its scale and skipped the step."""
+    return [
+        a
+        for a, (stepped, backoff) in enumerate(zip(cand.stepped, cand.scaler_backoff))
+        if backoff and not stepped and a < len(ref.stepped) and ref.stepped[a]
+    ]
+
+
 def updates_gate(
     ref: Trace,
     cand: Trace,
     claimed_dtype: str = "float32",
     tol: Tolerances | None = None,
     expected_lrs: list[float] | None = None,
+    skipped_by_scaler: list[int] = (),
 ) -> Verdict:
     """Gate 3: effective updates as many as the reference's, nothing non-finite written, and the
-    optimizer, the scheduler and the learning rates following the update clock."""
-    effective = sum(s and f for s, f in zip(cand.stepped, cand.finite))
-    want = sum(s and f for s, f in zip(ref.stepped, ref.finite))
+    optimizer, the scheduler and the learning rates following the update clock.
+
+    skipped_by_scaler: attempts the candidate's GradScaler skipped where the reference (before `judge` held
+    the candidate to a reference skipping them too) stepped: reported apart; more than
+    MAX_SCALER_SKIP_FRACTION of the reference's effective updates fail. Without it, any found here count."""
+    effective, want = _effective(cand), _effective(ref)
+    overflowed = list(skipped_by_scaler) or scaler_skips(ref, cand)
     lrs = expected_lrs if expected_lrs is not None else ref.lrs
     evidence = {
         "attempts": len(cand.stepped),
@@ -378,7 +430,9 @@ def updates_gate(
         "optimizer_steps": cand.optimizer_steps,
         "scheduler_steps": cand.scheduler_steps,
         "loss_scale_halvings": cand.scale_halvings,
+        "scaler_skips": overflowed,
     }
+    too_many = len(overflowed) > MAX_SCALER_SKIP_FRACTION * (want + len(skipped_by_scaler))
     mismatch = next((k for k, (a, b) in enumerate(zip(cand.lrs, lrs)) if a != b), None)
     evidence["first_lr_mismatch"] = mismatch
     off_clock = (
@@ -389,6 +443,11 @@ def updates_gate(
     checks = [  # the first that holds is the verdict's message
         (cand.error is not None, f"the run stopped: {cand.error}"),
         (evidence["non_finite_written"], "a non-finite value was written into the parameters"),
+        (
+            too_many,
+            f"GradScaler skipped {len(overflowed)} attempts the reference stepped ({overflowed}): more than "
+            f"{MAX_SCALER_SKIP_FRACTION:.0%} of its effective updates, the loss scale is not settled",
+        ),
         (effective != want, f"{effective} effective updates, the reference made {want}"),
         (
             cand.optimizer_steps != effective,
@@ -404,12 +463,27 @@ def updates_gate(
     if problem:
         return Verdict("updates", False, evidence, problem)
     skipped = evidence["skipped_updates"]
+    apart = (
+        f" (GradScaler skipped attempts {overflowed}, the reference skipped them too)" if overflowed else ""
+    )
     return Verdict(
         "updates",
         True,
         evidence,
-        f"{effective} effective + {skipped} skipped; optimizer, scheduler and lr follow the clock",
+        f"{effective} effective + {skipped} skipped; optimizer, scheduler and lr follow the clock{apart}",
     )
+
+
+def _power_of_two(x: float) -> str:
+    """2**k for a power of two (a GradScaler scale), else the number."""
+    k = math.log2(x) if x > 0 else 0.5
+    return f"2**{int(k)}" if k == int(k) else f"{x:g}"
+
+
+def magnitude(x: float) -> str:
+    """A noise-level float as the power of ten just above it ("< 1e-04"), 0 exactly as "0": its size is shown,
+    and its last digits, which another machine's rounding moves, are not."""
+    return "0" if x == 0 else f"< 1e{math.floor(math.log10(x)) + 1:+03d}"
 
 
 def quality_gate(
@@ -433,8 +507,32 @@ def quality_gate(
         passed,
         evidence,
         f"held-out loss {num(cand.held_out_loss)} vs {num(ref.held_out_loss)}: "
-        f"|Δ| {'≤' if passed else '>'} {num(tol.quality_bound, 2)} nats ({tol.quality_from})",
+        f"|Δ| {'= 0' if delta == 0 else magnitude(delta)}, {'within' if passed else 'over'} the bound "
+        f"{num(tol.quality_bound, 2)} nats ({tol.quality_from})",
     )
+
+
+def correctness_gate(
+    ref: Trace,
+    cand: Trace,
+    claimed_dtype: str,
+    tol: Tolerances,
+    expected_lrs: list[float],
+    skipped_by_scaler: list[int] = (),
+) -> list[Verdict]:
+    """The glossary's correctness gate: gates 1-4 in order (inputs, gradients, updates, quality), up to the
+    first that fails. A candidate that passes all four is correct; only then is it worth measuring."""
+    verdicts = []
+    for gate in (inputs_gate, gradients_gate, updates_gate, quality_gate):
+        extra = (
+            {"expected_lrs": expected_lrs, "skipped_by_scaler": skipped_by_scaler}
+            if gate is updates_gate
+            else {}
+        )
+        verdicts.append(gate(ref, cand, claimed_dtype, tol, **extra))
+        if not verdicts[-1].passed:
+            break
+    return verdicts
 
 
 # ----------------------------------------------------------------------------- the decision
@@ -444,37 +542,51 @@ def quality_gate(
 class DecisionRule:
     """Written down before any GPU measurement, not fitted to the registry's figures.
 
-    min_peak_drop: a memory gain counts from a tenth on: smaller drops of the reserved peak sit within the
-    allocator's rounding (2 MiB pages, 20 MiB large-block rounding), and a tenth less per sequence is the
-    least that adds a sequence to a micro-batch of ten. max_time_ratio: a memory strategy may cost up to a
-    quarter more time per update (full recomputation replays the forward, 2 of a step's 6·N·T FLOPs: up to
-    x1.33 when compute-bound). min_speedup: a speed gain counts from a tenth of the median on; the GPU run
-    checks the reference's own median spread against it.
+    min_peak_drop: a memory gain counts from a tenth on: a tenth less per sequence is the least that adds a
+    sequence to a micro-batch of ten, and a tenth of the reserved peak stands well above what the allocator's
+    rounding moves. max_time_ratio: a memory strategy may cost up to a quarter more time per update. A step
+    costs about 6·N·T FLOPs (N parameters, T tokens: 2·N·T forward, 4·N·T backward); full recomputation
+    replays the forward, 2·N·T more, x1.33 when compute-bound — but a step is never all matmul (attention,
+    norms, the optimizer and copies are not replayed in proportion), so a well-made checkpoint stays below
+    that; x1.25 leaves the last twelfth of it to a slow one. min_speedup: a speed gain counts from a tenth of
+    the median on; the GPU run checks the reference's own median spread against it.
+    reserved_slack_bytes: how far a reserved peak may rise and still count as "no higher": one segment of the
+    CUDA caching allocator for a 1-10 MiB request (kLargeBuffer, 20 MiB; smaller requests take 2 MiB
+    segments, larger ones round up to 2 MiB), so one such segment more is allocator rounding, not a cost.
     """
 
     min_peak_drop: float = 0.10
     max_time_ratio: float = 1.25
     min_speedup: float = 0.10
+    reserved_slack_bytes: int = 20 << 20
 
 
 RULE = DecisionRule()
 
 
 def decide_measured(
-    update_drop: float, capacity_gain: float, time_ratio: float, rule: DecisionRule = RULE
+    update_drop: float,
+    capacity_gain: float,
+    time_ratio: float,
+    rule: DecisionRule = RULE,
+    slack: float = 0.0,
 ) -> str:
     """accept / tune / no-gain from GPU measurements of a correct candidate.
 
     update_drop = 1 - the reserved peak of a whole steady update / the reference's: what decides whether
-    this workload fits. capacity_gain = 1 - what one more sequence adds to what a micro-batch keeps alive
-    at the end of its forward / the reference's: what the largest micro-batch that fits hinges on, even
-    where the optimizer step peaks as high as before. time_ratio = median update / the reference's.
-    accept: a memory gain (either ≥ min_peak_drop) at ≤ max_time_ratio, or faster by min_speedup at no
-    higher peak. tune: a gain that costs too much. no-gain: correct, but neither smaller nor faster.
+    this workload fits. capacity_gain = 1 - what one more sequence adds to the forward + backward peak of a
+    micro-batch accumulating into a window's gradients / the reference's (`tracing.Performance.bytes_per_row`):
+    what the largest micro-batch that fits hinges on, even where the optimizer step peaks as high as before. time_ratio = median update / the reference's. slack: how far
+    update_drop may fall below 0 and still mean "no higher peak" (the allocator's rounding, as a fraction of
+    the reference's reserved peak: `rule.reserved_slack_bytes / reserved`).
+    accept: no higher peak, and a memory gain (either ≥ min_peak_drop) at ≤ max_time_ratio, or faster by
+    min_speedup. tune: a gain that costs too much (time, or a higher whole-update peak). no-gain: correct,
+    but neither smaller nor faster.
     """
+    higher = update_drop < -slack
     memory = max(update_drop, capacity_gain) >= rule.min_peak_drop
     faster = time_ratio <= 1 - rule.min_speedup
-    if (memory and time_ratio <= rule.max_time_ratio) or (faster and update_drop >= 0):
+    if not higher and ((memory and time_ratio <= rule.max_time_ratio) or faster):
         return "accept"
     return "tune" if memory or faster else "no-gain"
 
@@ -499,10 +611,12 @@ def decide(
     capacity = 1 - perf.bytes_per_row / reference.bytes_per_row
     ratio = perf.step_time_median_s / reference.step_time_median_s
     allocated = perf.peak_allocated_bytes / reference.peak_allocated_bytes - 1
-    return decide_measured(update, capacity, ratio, rule), (
+    slack = rule.reserved_slack_bytes / reference.peak_reserved_bytes
+    return decide_measured(update, capacity, ratio, rule, slack), (
         f"reserved peak {-update:+.1%} (allocated {allocated:+.1%}), bytes per sequence {-capacity:+.1%}, median x{ratio:.2f}; "
-        f"accept: either {-rule.min_peak_drop:+.0%} or lower at ≤ x{rule.max_time_ratio:g}, or median ≤ x{1 - rule.min_speedup:g} "
-        f"at no higher peak; no-gain: neither"
+        f"accept: no higher reserved peak (≤ +{slack:.2%}: {rule.reserved_slack_bytes >> 20} MiB of allocator rounding) and "
+        f"either {-rule.min_peak_drop:+.0%} or lower at ≤ x{rule.max_time_ratio:g}, or median ≤ x{1 - rule.min_speedup:g}; "
+        f"no-gain: neither"
     )
 
 
@@ -534,19 +648,37 @@ class Report:
         return next((v for v in self.verdicts if v.name == name), None)
 
     def lines(self) -> list[str]:
-        """The report as printed lines: one per stage, ✓ passed, ✗ failed, — measured (performance), · not run."""
+        """The report as printed lines: one per stage, ✓ passed, ✗ failed, — measured (performance), · not run
+        (an earlier gate failed), ○ not measured (a check of the gates only); FP16: the loss scale's start."""
         c = self.candidate
         out = [f"{c.name}  ({c.semantic_id}, claims {c.dtype})"]
+        if self.trace.loss_scale is not None:
+            out.append(
+                f"  loss scale: starts at {_power_of_two(self.trace.loss_scale)}, after {self.trace.scale_halvings} "
+                "halvings of the calibration (not counted as skips)"
+            )
         for name in GATES:
             v = self.verdict(name)
             if v is None and self.failed_gate is None:
-                mark, text = "·", "not measured: this run checks the gates only"
+                mark, text = "○", "not measured: this run checks the gates only"
             elif v is None:
                 mark, text = "·", "not run: an earlier gate failed"
             else:
                 mark, text = {True: "✓", False: "✗", None: "—"}[v.passed], v.message
             out.append(f"  {mark} {name:<12} {text}")
         out.append(f"  outcome: {self.outcome or 'null'}  ({self.evidence_level})")
+        return out
+
+    def stages(self) -> list[bool | str | None]:
+        """Per stage of GATES, for the gate matrix: True / False (passed / failed), "measured" (performance),
+        None (not run: an earlier gate failed), "not measured" (a check of the gates only)."""
+        out = []
+        for name in GATES:
+            v = self.verdict(name)
+            if v is None:
+                out.append("not measured" if self.failed_gate is None else None)
+            else:
+                out.append("measured" if v.passed is None else v.passed)
         return out
 
     @property
@@ -582,6 +714,7 @@ class Report:
             "quality_bound": self.tolerances.quality_bound,
             "quality_bound_from": self.tolerances.quality_from,
             "loss_scale_halvings": self.trace.scale_halvings,
+            "loss_scale_skips": u.get("scaler_skips"),
         }
         if g.get("worst"):
             metrics |= {
@@ -603,8 +736,8 @@ class Report:
                     "forward_backward_reserved_bytes",
                     "bytes_per_row",
                     "cuda_context_bytes",
-                    "exposed_transfer_s",
-                    "transfer_s",
+                    "exposed_transfer_time_s",
+                    "transfer_time_s",
                     "warmup",
                     "repeats",
                 )
@@ -661,7 +794,8 @@ def performance_verdict(perf: Performance, reference: Performance) -> Verdict:
     else:
         message = (
             f"measured on {perf.device_type}: CPU step times recorded, no GPU evidence; allocator peaks null; "
-            f"tracked tensor bytes of one update {perf.tracked_peak_bytes:,}"
+            f"tracked tensor bytes of one update: forward + backward {perf.tracked_forward_backward_bytes:,}, "
+            f"whole update {perf.tracked_peak_bytes:,}"
         )
     return Verdict("performance", None, evidence, message)
 
@@ -677,20 +811,21 @@ def judge(
     measure: bool = True,
 ) -> Report:
     """Run the candidate (each window's gradients also from the reference's weights: `run_trace(teacher=…)`), apply
-    gates 1-4 in order up to the first failure, measure performance (paired with the reference's, interleaved)
-    only if all four passed (and `measure`: a check of the gates alone skips it), and decide."""
+    the correctness gate (gates 1-4 in order up to the first failure), measure performance (paired with the
+    reference's, interleaved) only if all four passed (and `measure`: a check of the gates alone skips it), and
+    decide. Where the candidate's GradScaler skipped attempts the reference stepped (at most
+    MAX_SCALER_SKIP_FRACTION of its effective updates), both are run again with those attempts skipped, and the
+    gates compare those runs: like for like, the skips reported by gate 3."""
     trace = trace or run_trace(cand, gw, teacher=ref.trace)
     tol = ref.tolerances(cand.dtype)
-    verdicts = []
-    for gate in (inputs_gate, gradients_gate, updates_gate, quality_gate):
-        kwargs = (
-            {"expected_lrs": [gw.expected_lr(k) for k in range(len(trace.lrs))]}
-            if gate is updates_gate
-            else {}
-        )
-        verdicts.append(gate(ref.trace, trace, cand.dtype, tol, **kwargs))
-        if not verdicts[-1].passed:
-            break
+    skips, judged_ref = scaler_skips(ref.trace, trace), ref
+    if skips and len(skips) <= MAX_SCALER_SKIP_FRACTION * _effective(ref.trace):
+        trace.grads = []  # the first run's gradients are not judged
+        skipped, judged_ref = ref.skipping(gw, skips)
+        trace = run_trace(cand, skipped, teacher=judged_ref.trace)
+    expected_lrs = [gw.expected_lr(k) for k in range(len(trace.lrs))]
+    matched = skips if judged_ref is not ref else []  # unmatched, gate 3 finds (and counts) the skips itself
+    verdicts = correctness_gate(judged_ref.trace, trace, cand.dtype, tol, expected_lrs, matched)
     perf = ref_perf = None
     if measure and not any(v.failed for v in verdicts):
         perf, ref_perf = remeasure(
@@ -769,24 +904,34 @@ def planted_record_fields(
 
 def strategy_table(reference: Performance, reports: dict[str, Report]) -> str:
     """The quality-capacity-time table of TRAIN-MEMORY-STRATEGY: one line per candidate that reached the
-    performance stage. CPU: tracked tensor bytes only, the GPU columns null."""
+    performance stage. Quality: |Δ| of the held-out loss against the reference, beside its bound. Capacity:
+    the tracked tensor bytes of one steady update at their peak (before the optimizer step, and over the whole
+    update), the bytes per sequence (what one more sequence adds to a micro-batch's forward + backward peak),
+    on a GPU the allocator's reserved and allocated peaks of the whole update. Time: the median against the
+    reference's and the P95, GPU only. CPU: the GPU columns null."""
     cell = lambda v, fmt: "null" if v is None else format(v, fmt)  # noqa: E731
+    change = lambda v, ref: f"{v / ref - 1:+.0%}"  # noqa: E731
     gpu = reference.on_gpu
-    lines = [
-        f"{'candidate':<20} {'Δ held-out':>10} {'tracked B':>11} {'vs ref':>7} {'B/sequence':>11} {'vs ref':>7} "
-        f"{'peak reserved':>14} {'peak allocated':>15} {'median x':>9} {'P95 s':>8}  outcome",
-        f"{'fp32-baseline':<20} {'0':>10} {reference.tracked_peak_bytes:>11,} {'':>7} {reference.bytes_per_row:>11,} {'':>7} "
-        f"{cell(reference.peak_reserved_bytes, ','):>14} {cell(reference.peak_allocated_bytes, ','):>15} "
-        f"{'1.00' if gpu else 'null':>9} {cell(reference.step_time_p95_s if gpu else None, '.4f'):>8}",
-    ]
+    head = (
+        f"{'candidate':<20} {'|Δ held-out|':>12} {'bound':>8} {'tracked fwd+bwd':>16} {'vs ref':>7} "
+        f"{'tracked update':>15} {'vs ref':>7} {'B/sequence':>11} {'vs ref':>7} {'peak reserved':>14} "
+        f"{'peak allocated':>15} {'median x':>9} {'P95 s':>8}  outcome"
+    )
+
+    def row(name, p, delta, bound, ratio, outcome, changes=True):
+        ref = reference
+        return (
+            f"{name:<20} {delta:>12} {bound:>8} {p.tracked_forward_backward_bytes:>16,} "
+            f"{change(p.tracked_forward_backward_bytes, ref.tracked_forward_backward_bytes) if changes else '':>7} "
+            f"{p.tracked_peak_bytes:>15,} {change(p.tracked_peak_bytes, ref.tracked_peak_bytes) if changes else '':>7} "
+            f"{p.bytes_per_row:>11,} {change(p.bytes_per_row, ref.bytes_per_row) if changes else '':>7} "
+            f"{cell(p.peak_reserved_bytes, ','):>14} {cell(p.peak_allocated_bytes, ','):>15} {cell(ratio, '.2f'):>9} "
+            f"{cell(p.step_time_p95_s if gpu else None, '.4f'):>8}  {outcome}"
+        )
+
+    lines = [head, row("fp32-baseline", reference, "0", "", 1.0 if gpu else None, "", changes=False)]
     for name, r in reports.items():
         p, q = r.performance, r.verdict("quality").evidence
         ratio = p.step_time_median_s / r.reference_performance.step_time_median_s if gpu else None
-        lines.append(
-            f"{name:<20} {'≤ bound' if q['delta'] <= q['bound'] else '> bound':>10} {p.tracked_peak_bytes:>11,} "
-            f"{p.tracked_peak_bytes / reference.tracked_peak_bytes - 1:>+7.0%} {p.bytes_per_row:>11,} "
-            f"{p.bytes_per_row / reference.bytes_per_row - 1:>+7.0%} {cell(p.peak_reserved_bytes, ','):>14} "
-            f"{cell(p.peak_allocated_bytes, ','):>15} {cell(ratio, '.2f'):>9} "
-            f"{cell(p.step_time_p95_s if gpu else None, '.4f'):>8}  {r.outcome or 'null'}"
-        )
+        lines.append(row(name, p, magnitude(q["delta"]), num(q["bound"], 2), ratio, r.outcome or "null"))
     return "\n".join(lines)

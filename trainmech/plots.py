@@ -35,7 +35,6 @@ __all__ = [
     "grad_errors",
     "saved_bytes_by_op",
     "activation_split",
-    "gate_errors",
     "gate_matrix",
 ]
 
@@ -725,11 +724,18 @@ def saved_bytes_vs_length(lengths: list[int], series: dict[str, list[int]]):
     return fig
 
 
-def grad_errors(names: list[str], errors: dict[str, list[float]], tolerances: dict[str, float | None]):
-    """Task2: relative error of every parameter's gradient against autograd, one marker series per
-    comparison (log scale, parameters listed top to bottom in model order, readable names). A series
-    with a tolerance gets it as a dashed line of its colour; one without (a planted bug) is drawn as
-    red crosses, so the gap between a rounding error and a wrong formula reads off one axis."""
+def grad_errors(
+    names: list[str],
+    errors: dict[str, list[float]],
+    tolerances: dict[str, float | None],
+    *,
+    against: str = "autograd",
+):
+    """Relative error of every parameter's gradient against a reference (`against`: autograd in Task2, the
+    reference run in Task6), one marker series per comparison (log scale, parameters listed top to bottom
+    in model order, readable names). A series with a tolerance gets it as a dashed line of its colour, named
+    in the legend; one without (a planted bug) is drawn as red crosses, so the gap between a rounding error
+    and a wrong formula reads off one axis."""
     fig, (ax,) = _figure(1, 7.6, max(3.6, 0.2 * len(names) + 1.2))
     rows = list(range(len(names)))
     for (label, values), colour in zip(errors.items(), ("tab:blue", "tab:orange", "tab:red")):
@@ -743,15 +749,15 @@ def grad_errors(names: list[str], errors: dict[str, list[float]], tolerances: di
             label=label,
         )
         if tol is not None:
-            ax.axvline(tol, color=colour, ls="--", lw=0.8)
+            ax.axvline(tol, color=colour, ls="--", lw=0.8, label=f"{label}: tolerance {tol:.0e}")
     ax.set_yticks(rows, names, fontsize=7)
     ax.invert_yaxis()
     ax.set(
         xscale="log",
-        xlabel="max|Δ| / max|autograd|  (dashed: tolerance)",
-        title="every parameter gradient vs autograd",
+        xlabel=f"max|Δ| / max|{against}|  (dashed: each series' tolerance)",
+        title=f"every parameter gradient vs {against}",
     )
-    fig.legend(loc="outside lower center", ncols=len(errors), fontsize=7, frameon=False)
+    fig.legend(loc="outside lower center", ncols=min(len(errors) * 2, 4), fontsize=7, frameon=False)
     ax.grid(alpha=0.3, axis="x")
     return fig
 
@@ -798,33 +804,10 @@ def activation_split(rows: dict[str, tuple[int, int]]):
 # ----------------------------------------------------------------------------- Task6: correctness gates
 
 
-def gate_errors(errors: dict[str, dict[str, float]], tolerances: dict[str, float]):
-    """Per-parameter gradient error against the reference run, one marker series per candidate
-    (log scale, parameters in model order), each candidate's tolerance as a dashed line."""
-    names = list(next(iter(errors.values())))
-    fig, (ax,) = _figure(1, 8.4, 3.6)
-    for (label, per_param), colour in zip(errors.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
-        ax.plot(
-            range(len(names)), [max(per_param[n], 1e-18) for n in names], "o", ms=4, color=colour, label=label
-        )
-        ax.axhline(tolerances[label], color=colour, ls="--", lw=0.8)
-    if len(names) <= 40:
-        ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
-    else:
-        ax.set(xlabel="parameter (model order)")
-    ax.set(
-        yscale="log",
-        ylabel="max|Δ| / max|g_reference|",
-        title="gradients gate: every parameter vs the reference run",
-    )
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, axis="y")
-    return fig
-
-
 def gate_matrix(rows: dict[str, list[bool | str | None]], gates: list[str]):
     """Candidates × stages: ✓ passed (green), ✗ failed (red), — "measured" (blue: the performance stage, no
-    pass / fail), · not run because an earlier gate failed."""
+    pass / fail), · not run because an earlier gate failed (grey), ○ "not measured" (white: a check of the
+    gates only, the performance stage left out on purpose)."""
     from matplotlib.patches import Rectangle
 
     fig, (ax,) = _figure(1, 1.1 * len(gates) + 3.4, 0.36 * len(rows) + 0.9)
@@ -833,6 +816,7 @@ def gate_matrix(rows: dict[str, list[bool | str | None]], gates: list[str]):
         False: ("tab:red", "✗"),
         "measured": ("tab:blue", "—"),
         None: ("lightgray", "·"),
+        "not measured": ("whitesmoke", "○"),
     }
     for i, cells in enumerate(rows.values()):
         for j, passed in enumerate(cells):
@@ -844,7 +828,7 @@ def gate_matrix(rows: dict[str, list[bool | str | None]], gates: list[str]):
                 mark,
                 ha="center",
                 va="center",
-                color="dimgray" if passed is None else "white",
+                color="dimgray" if passed in (None, "not measured") else "white",
                 fontsize=10,
             )
     ax.set(xlim=(0, len(gates)), ylim=(len(rows), 0))

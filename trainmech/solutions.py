@@ -251,35 +251,35 @@ def my_checkpoint(fn, x):
 # ============================================================================= Task6
 
 
-def gradient_gate(ref, cand, rtol):
+def gradient_gate(reference, candidate, rtol):
     """(passed, errors): e_p = max|g_c − g_r| / max(max|g_r|, 1e-3 · largest |g_r|); inf when missing."""
-    top = max(float(g.abs().max()) for g in ref.values())
+    top = max(float(g.abs().max()) for g in reference.values())
     errors = {}
-    for name, g in ref.items():
-        if name not in cand:
+    for name, g in reference.items():
+        if name not in candidate:
             errors[name] = math.inf
             continue
         scale = max(float(g.abs().max()), 1e-3 * top, torch.finfo(torch.float64).tiny)
-        errors[name] = float((cand[name].double() - g.double()).abs().max()) / scale
+        errors[name] = float((candidate[name].double() - g.double()).abs().max()) / scale
     return all(e <= rtol for e in errors.values()), errors  # NaN <= rtol is False
 
 
-def update_gate(ref, cand, expected_lrs):
+def update_gate(reference, candidate, expected_lrs):
     """(passed, message) from two tracing.Trace: effective updates, finiteness, optimizer and scheduler on the clock."""
-    effective = sum(s and f for s, f in zip(cand.stepped, cand.finite))
-    want = sum(s and f for s, f in zip(ref.stepped, ref.finite))
-    mismatch = next((k for k, (a, b) in enumerate(zip(cand.lrs, expected_lrs)) if a != b), None)
+    effective = sum(s and f for s, f in zip(candidate.stepped, candidate.finite))
+    want = sum(s and f for s, f in zip(reference.stepped, reference.finite))
+    mismatch = next((k for k, (a, b) in enumerate(zip(candidate.lrs, expected_lrs)) if a != b), None)
     problems = [
-        (cand.error is not None, f"the run stopped: {cand.error}"),
-        (not all(cand.finite), "a non-finite value was written into the parameters"),
+        (candidate.error is not None, f"the run stopped: {candidate.error}"),
+        (not all(candidate.finite), "a non-finite value was written into the parameters"),
         (effective != want, f"{effective} effective updates, the reference made {want}"),
         (
-            cand.optimizer_steps != effective,
-            f"the optimizer counted {cand.optimizer_steps} steps for {effective} effective updates",
+            candidate.optimizer_steps != effective,
+            f"the optimizer counted {candidate.optimizer_steps} steps for {effective} effective updates",
         ),
         (
-            cand.scheduler_steps != effective,
-            f"the scheduler moved {cand.scheduler_steps} times for {effective} effective updates",
+            candidate.scheduler_steps != effective,
+            f"the scheduler moved {candidate.scheduler_steps} times for {effective} effective updates",
         ),
         (mismatch is not None, f"effective update {mismatch} did not run at the clock's learning rate"),
     ]

@@ -23,7 +23,7 @@ from trainmech.ledger.compare import MEASURED_PEAK_WITH
 from trainmech.offload import TransferStats
 from trainmech.tracing import Performance, Trace
 
-__all__ = ["MEASURED_WITH", "StrategyRun", "ledger_fields", "timing_table"]
+__all__ = ["MEASURED_WITH", "StrategyRun", "ledger_fields", "timing_table", "saved_outside_layers"]
 
 MEASURED_WITH = {
     "cuda": "torch.cuda.max_memory_reserved / max_memory_allocated (one steady update, cache emptied)",
@@ -54,6 +54,7 @@ class StrategyRun:
     def record_fields(self, next_step: str) -> dict:
         p, ref, e = self.performance, self.reference_performance, self.verdict.evidence
         on_gpu = p is not None and p.on_gpu
+        effective = sum(s and f for s, f in zip(self.trace.stepped, self.trace.finite))
         outcome, reason = self.decision()
         resources = {
             "peak_allocated_bytes": p.peak_allocated_bytes,
@@ -86,6 +87,7 @@ class StrategyRun:
                 "checkpointed_layers": self.checkpointed_layers,
                 "forward_ops_per_update": self.recompute.forward_ops,
                 "saved_ops_per_update": self.recompute.saved_ops,
+                "skipped_ops_per_update": self.recompute.skipped_ops,
             }
         if self.transfer is not None:
             first = self.transfer[0]
@@ -108,17 +110,17 @@ class StrategyRun:
                 )
             }
             metrics |= {
-                "exposed_transfer_time_s": p.exposed_transfer_s,
-                "transfer_time_s": p.transfer_s,
+                "exposed_transfer_time_s": p.exposed_transfer_time_s,
+                "transfer_time_s": p.transfer_time_s,
                 **(self.offload_settings or {}),
             }
         return {
             "correctness": {
                 "output_max_abs_error": e["loss_abs_error"],
                 "grad_max_abs_error": e["grad_max_abs_error"],
-                "all_finite": all(tr for tr in self.trace.finite),
-                "skipped_updates": 0,
-                "effective_updates": sum(self.trace.stepped),
+                "all_finite": all(self.trace.finite),
+                "skipped_updates": len(self.trace.stepped) - effective,
+                "effective_updates": effective,
             },
             "resources": resources,
             "conclusion": {
@@ -192,6 +194,21 @@ def timing_table(runs: dict[str, StrategyRun]) -> str:
         lines.append(
             f"{name:<19} {p.step_time_median_s:>9.4f} {p.step_time_p95_s:>8.4f} {p.step_time_median_s / ref.step_time_median_s:>9.2f} "
             f"{cell(p.peak_reserved_bytes, ','):>15} {cell(p.peak_allocated_bytes, ','):>15} "
-            f"{cell(p.forward_backward_reserved_bytes, ','):>17} {cell(p.exposed_transfer_s, '.4f'):>10} {cell(p.transfer_s, '.4f'):>11}"
+            f"{cell(p.forward_backward_reserved_bytes, ','):>17} {cell(p.exposed_transfer_time_s, '.4f'):>10} "
+            f"{cell(p.transfer_time_s, '.4f'):>11}"
         )
     return "\n".join(lines)
+
+
+def saved_outside_layers(book: ledger.Ledger, tick: str) -> dict[str, int]:
+    """The ledger's saved states alive at `tick` that no decoder layer holds (RoPE's cos / sin, the final norm,
+    the loss's log-softmax, …): name -> bytes, in the ledger's order."""
+    index = {t: k for k, t in enumerate(book.ticks)} | {ledger.BEFORE: -1, ledger.AFTER: len(book.ticks)}
+    at = index[tick]
+    return {
+        st.name: st.nbytes
+        for st in book.states
+        if st.category == "saved"
+        and not st.name.startswith("layer.")
+        and index[st.created] <= at <= index[st.released_at]
+    }

@@ -10,9 +10,9 @@ forgetting it is a bug the gates can see.
 read through `measure.allocator_window` (CUDA: allocated and reserved, the cache emptied before, for a
 forward + backward and for a whole update, with the memory outside the allocator; a CPU's allocator only
 when forced, `allocator="cpu-profiler"`, so a CPU runs that bookkeeping too) and, on any device, the
-tracked tensor bytes —, what one more sequence adds to what a micro-batch keeps alive at the end of its
-forward (the capacity slope), then step times with the reference's and the candidate's updates
-interleaved, so that a drift of the machine hits both alike.
+tracked tensor bytes —, what one more sequence adds to the forward + backward peak of a micro-batch inside an
+accumulation window (the capacity slope), then step times with the reference's and the candidate's updates interleaved, so that a
+drift of the machine hits both alike.
 """
 
 from __future__ import annotations
@@ -22,20 +22,22 @@ import hashlib
 import math
 import statistics
 from collections.abc import Iterator
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
 from trainmech import amp, supervision
-from trainmech.candidates import Candidate, GateWorkload, Window, calibrated_scale
+from trainmech.candidates import Candidate, GateWorkload, MicroBatches, calibrated_scale
 from trainmech.display import progress
 from trainmech.measure import StorageTracker, allocator_window, time_stats, timed
 from trainmech.workload import supervised_tokens
 
 __all__ = [
     "MIN_TIMED_FOR_P95",
+    "TIMING_DEFAULTS",
+    "timing_counts",
     "Trace",
     "sequence_digests",
     "InputLog",
@@ -50,7 +52,20 @@ __all__ = [
     "remeasure",
 ]
 
-MIN_TIMED_FOR_P95 = 21  # with fewer samples the interpolated 95th percentile is the maximum itself
+# The P95 of n samples interpolates at position 0.95 (n - 1) of the sorted samples (measure.percentile): below
+# 21 samples it lies between the two largest, so one slow sample moves it; from 21 on it sits at or below the
+# second largest (at exactly 21 it is the second largest), so a single outlier no longer sets it.
+MIN_TIMED_FOR_P95 = 21
+TIMING_DEFAULTS = {  # (untimed warm-up updates, timed updates) when a notebook's parameters leave them None
+    "cuda": (3, MIN_TIMED_FOR_P95),  # a few to settle the allocator's cache and the kernels' autotuning
+    "cpu": (1, 3),  # a CPU's times are recorded, never evidence: as few as keep the bookkeeping honest
+}
+
+
+def timing_counts(on_cuda: bool, warmup: int | None = None, timed: int | None = None) -> tuple[int, int]:
+    """(warm-up, timed) updates: the given ones, else TIMING_DEFAULTS for the device."""
+    default = TIMING_DEFAULTS["cuda" if on_cuda else "cpu"]
+    return (default[0] if warmup is None else warmup, default[1] if timed is None else timed)
 
 
 @dataclass
@@ -78,6 +93,9 @@ class Trace:
     )  # keep_weights: the parameters at each attempt's start
     dtypes: list[str] = field(default_factory=list)  # what the Linear layers produced in the first window
     stepped: list[bool] = field(default_factory=list)  # per attempt: optimizer.step() ran
+    scaler_backoff: list[bool] = field(
+        default_factory=list
+    )  # per attempt: FP16's GradScaler lowered its scale (it found an inf / NaN and skipped the step)
     finite: list[bool] = field(default_factory=list)  # per attempt: every parameter finite afterwards
     lrs: list[float] = field(default_factory=list)  # the learning rate at each optimizer.step()
     attempt_lrs: list[float] = field(default_factory=list)  # the learning rate at the start of each attempt
@@ -228,8 +246,43 @@ def _scale(state) -> float:
     return state.scaler.get_scale() if state.scaler.is_enabled() else 1.0
 
 
+class GradWatch:
+    """Post-accumulate-grad hooks on every parameter, registered before the candidate's own: the gradient each
+    parameter last accumulated in a backward, kept even where a hook of the candidate's (an optimizer in the
+    backward) frees `.grad` right after. `grads(params, state)` reads `.grad`, or that gradient where `.grad`
+    is None; `forget()` starts a new backward."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+        self.seen: dict[str, torch.Tensor] = {}
+        self.handles = [
+            p.register_post_accumulate_grad_hook(lambda p, n=n: self.seen.__setitem__(n, p.grad))
+            for n, p in params.items()
+        ]
+
+    def forget(self) -> None:
+        self.seen = {}
+
+    def grads(self, params: dict[str, torch.nn.Parameter], state) -> dict[str, torch.Tensor]:
+        """Unscaled gradients on the CPU: `.grad`, or what accumulated last where a hook freed `.grad`."""
+        out = {}
+        for n, p in params.items():
+            g = p.grad if p.grad is not None else self.seen.get(n)
+            if g is not None:
+                out[n] = g.detach().float().cpu() / _scale(state)
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def _from_weights(
-    cand: Candidate, state, window, weights: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter]
+    cand: Candidate,
+    state,
+    window,
+    weights: dict[str, torch.Tensor],
+    params: dict[str, torch.nn.Parameter],
+    watch: GradWatch,
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """The candidate's backward from `weights` (the teacher's at this attempt), on top of whatever the candidate
     left in .grad, under the current RNG state: (loss, unscaled gradients on the CPU). The candidate's own
@@ -241,10 +294,9 @@ def _from_weights(
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(weights[n])
+    watch.forget()
     loss = cand.backward(state, window)
-    grads = {
-        n: p.grad.detach().float().cpu() / _scale(state) for n, p in params.items() if p.grad is not None
-    }
+    grads = watch.grads(params, state)
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(own[n])
@@ -263,10 +315,6 @@ def _handed(window: list[dict], injected: bool) -> str:
     return _digest(
         *[mb[k] for mb in window for k in ("input_ids", "attention_mask", "labels")], torch.tensor([injected])
     )
-
-
-def _unscaled_grads(params: dict[str, torch.nn.Parameter], state) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().float().cpu() / _scale(state) for n, p in params.items() if p.grad is not None}
 
 
 def _begin(cand: Candidate, gw: GateWorkload) -> Trace:
@@ -292,6 +340,8 @@ class _Run:
     inputs: InputLog
     steps: StepLog
     teacher: Trace | None
+    watch: GradWatch
+    keep_grads: bool = True
 
     @property
     def params(self) -> dict[str, torch.nn.Parameter]:
@@ -315,11 +365,12 @@ class _Run:
         if forced:
             self.inputs.paused = True  # a second pass over the same window: not another input
             try:
-                judged = _from_weights(self.cand, self.state, window, weights, params)
+                judged = _from_weights(self.cand, self.state, window, weights, params, self.watch)
             finally:
                 self.inputs.paused = False
+        self.watch.forget()
         own = self.cand.backward(self.state, window)
-        return judged if forced else (float(own), _unscaled_grads(params, self.state))
+        return judged if forced else (float(own), self.watch.grads(params, self.state))
 
     def attempt(self, attempt: int, window: list[dict]) -> bool:
         """Backward (a poisoned window gets NaN logits), then the candidate's update. False when the candidate
@@ -332,15 +383,17 @@ class _Run:
             ):
                 loss, grads = self.judged_backward(attempt, window)
             trace.losses.append(loss)
-            trace.grads.append(grads)
+            if self.keep_grads:
+                trace.grads.append(grads)
             if attempt == 0:
                 trace.dtypes = sorted(dtypes.get("Linear", ()))
-            stage = "update"
+            stage, scale = "update", _scale(self.state)
             self.cand.update(self.state)
         except Exception as e:
             trace.error = f"attempt {attempt}, {stage}: {_stable_head(e)}"
             return False
         trace.stepped.append(self.steps.steps > before)
+        trace.scaler_backoff.append(self.state.scaler.is_enabled() and _scale(self.state) < scale)
         trace.finite.append(all_finite(self.params.values()))
         return True
 
@@ -362,6 +415,7 @@ def run_trace(
     seed: int | None = None,
     teacher: Trace | None = None,
     keep_weights: bool = False,
+    keep_grads: bool = True,
 ) -> Trace:
     """Run the candidate through every attempt of the gate workload from the initial weights, watching what
     the model receives, every window's gradients, the first window's dtypes, every optimizer step and the
@@ -372,18 +426,26 @@ def run_trace(
     gradients are then the candidate's backward from the teacher's weights at that attempt — where its own
     updates moved it off them, a second backward whose effects are undone before its own — so a window is
     judged on the same weights as the reference's, whatever the candidate's earlier updates did (gates 3 and 4
-    judge those)."""
+    judge those).
+
+    keep_grads=False: the gradients are not kept (a run watched only for its inputs or its updates; on a GPU model
+    they are gigabytes per window, in host memory). A parameter whose `.grad` a hook of the candidate's freed in
+    the backward (an optimizer in the backward) is judged by the gradient it accumulated (`GradWatch`)."""
     with gw.running():
         trace = _begin(cand, gw)
         torch.manual_seed(gw.seed if seed is None else seed)
         state = gw.fresh_state(cand, init_scale=trace.loss_scale)
-        with watch_inputs(gw.model) as inputs, watch_steps(state.optimizer) as steps:
-            run = _Run(trace, cand, gw, state, inputs, steps, teacher)
-            for attempt, window in enumerate(gw.windows):
-                run.start(attempt, window, keep_weights)
-                if not run.attempt(attempt, window):
-                    break
-        run.end()
+        watch = GradWatch(dict(gw.model.named_parameters()))
+        try:
+            with watch_inputs(gw.model) as inputs, watch_steps(state.optimizer) as steps:
+                run = _Run(trace, cand, gw, state, inputs, steps, teacher, watch, keep_grads)
+                for attempt, window in enumerate(gw.windows):
+                    run.start(attempt, window, keep_weights)
+                    if not run.attempt(attempt, window):
+                        break
+            run.end()
+        finally:
+            watch.remove()
     return trace
 
 
@@ -407,16 +469,16 @@ class Performance:
     cuda_context_bytes: (
         int | None
     )  # device memory in use outside this process's allocator (the CUDA context, others)
-    bytes_per_row: (
-        int  # what one more sequence in a micro-batch adds to the bytes alive at the end of its forward
-    )
-    #                     (CUDA: allocated; elsewhere tracked): the capacity criterion, what the largest micro-batch that fits hinges on
+    # bytes_per_row: what one more sequence adds to the forward + backward peak of a micro-batch accumulating into
+    # a window's gradients (CUDA: allocated; elsewhere tracked): the capacity criterion, what the largest
+    # micro-batch that fits hinges on (`_bytes_per_row`)
+    bytes_per_row: int
     tracked_peak_bytes: int  # tensor storages born in one steady update, at their peak (any device)
     tracked_forward_backward_bytes: int  # … before the optimizer step
-    exposed_transfer_s: (
+    exposed_transfer_time_s: (
         float | None
     )  # offload, CUDA: the compute stream's waits for copies per update (median)
-    transfer_s: float | None  # offload, CUDA: copy time on the side streams per update (median)
+    transfer_time_s: float | None  # offload, CUDA: copy time per update, both directions (median)
     warmup: int
     repeats: int
 
@@ -508,63 +570,48 @@ def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | N
     return out
 
 
-def _end_of_forward(
+def _accumulating_peak(
     cand: Candidate, state, micro_batch: dict, device: torch.device, source: str | None
 ) -> int:
-    """Bytes one micro-batch holds once its logits exist (the end of its forward), above what lived before: the
-    allocator's peak up to that moment (its window closes in a forward hook on the head), without an allocator
-    the tracked tensor bytes alive then. Its gradients are dropped after."""
-    seen, head = [], state.model.lm_head
+    """The peak of one micro-batch's forward + backward above what lived before, accumulating into gradients
+    that are already alive: the allocator's (its window around the backward), without an allocator the tracked
+    tensor bytes born in it. Everything the micro-batch's rows hold at some moment counts: the saved tensors,
+    the logits, the loss's log-softmax and their gradients, a replayed layer, an offload's fetched copies."""
     if source:
-        stack = ExitStack()
-        window = stack.enter_context(allocator_window(device, source))
-
-        def at_logits(*_):
-            if not seen:
-                stack.close()
-                seen.append(window.peak_above_start)
-
-        with closing(stack), _hooked(head, at_logits):
-            cand.backward(state, Window([micro_batch]))
-    else:
-        tracker = StorageTracker("forward")
-        with _hooked(head, lambda *_: seen.append(tracker.live[-1] if tracker.live else 0)), tracker:
-            cand.backward(state, Window([micro_batch]))
-    state.optimizer.zero_grad(set_to_none=True)
-    return seen[0]
-
-
-@contextmanager
-def _hooked(module: torch.nn.Module, hook):
-    handle = module.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+        with allocator_window(device, source) as window:
+            cand.backward(state, MicroBatches([micro_batch]))
+        return window.peak_above_start
+    with StorageTracker("backward") as tracker:
+        cand.backward(state, MicroBatches([micro_batch]))
+    return max(tracker.live, default=0)
 
 
 def _bytes_per_row(
     cand: Candidate, state, micro_batch: dict, device: torch.device, source: str | None
 ) -> int:
-    """The capacity slope: (alive at the end of the forward with the micro-batch's rows twice - with them once) / rows."""
-    doubled = {k: torch.cat([v, v]) for k, v in micro_batch.items()}
+    """The capacity slope: what one more sequence adds to the peak of a micro-batch that accumulates into a
+    window's gradients (every micro-batch after the first), measured between the micro-batch's rows twice and
+    four times over: (peak with 4x the rows - with 2x) / (2 x rows). The gradients exist first, so the peak sits
+    where the rows' own bytes are largest, not at a step that only creates the gradients; the values do not
+    matter (nothing is updated, the gradients are dropped after)."""
     rows = int(micro_batch["input_ids"].shape[0])
-    return (
-        _end_of_forward(cand, state, doubled, device, source)
-        - _end_of_forward(cand, state, micro_batch, device, source)
-    ) // rows
+    times = lambda k: {key: torch.cat([v] * k) for key, v in micro_batch.items()}  # noqa: E731
+    cand.backward(state, MicroBatches([micro_batch]))  # the gradients are alive from here on, as in a window
+    peaks = [_accumulating_peak(cand, state, times(k), device, source) for k in (2, 4)]
+    state.optimizer.zero_grad(set_to_none=True)
+    return (peaks[1] - peaks[0]) // (2 * rows)
 
 
 def _transfer(cand: Candidate, attempts: int) -> tuple[float | None, float | None]:
     """Median per update of the offload strategies' exposed transfer and copy times (None off CUDA / without offload)."""
     runs = [s for strategy in cand.strategies if hasattr(strategy, "collect") for s in strategy.collect()]
-    if not runs or runs[0].exposed_transfer_s is None or attempts == 0:
+    if not runs or runs[0].exposed_transfer_time_s is None or attempts == 0:
         return None, None
     per = len(runs) // attempts  # instances per update (one per micro-batch)
     chunks = [runs[k * per : (k + 1) * per] for k in range(attempts)]
     return (
-        statistics.median(sum(s.exposed_transfer_s for s in c) for c in chunks),
-        statistics.median(sum(s.transfer_s for s in c) for c in chunks),
+        statistics.median(sum(s.exposed_transfer_time_s for s in c) for c in chunks),
+        statistics.median(sum(s.transfer_time_s for s in c) for c in chunks),
     )
 
 
@@ -618,8 +665,8 @@ def remeasure(
                 gw.device.type,
                 **time_stats(seconds[id(c)]),
                 **peaks[id(c)],
-                exposed_transfer_s=exposed,
-                transfer_s=transfer,
+                exposed_transfer_time_s=exposed,
+                transfer_time_s=transfer,
                 warmup=warmup,
                 repeats=repeats,
             )

@@ -149,7 +149,7 @@ class Ledger:
         prefetch_groups: int = 2,
         stash_groups: int = 1,
     ) -> Ledger:
-        """The same step under `trainmech.offload.ActivationOffload.for_model` (device bytes only; the host
+        """The same step under `trainmech.offload.activation_offload` (device bytes only; the host
         copies are not on the device); the keyword defaults are the harness's.
 
         A saved state of ≥ min_bytes that layer j < L - exempt_last packs stays a saved state but lives on

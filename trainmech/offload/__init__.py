@@ -3,19 +3,21 @@
 - `book`: the bookkeeping — what moves, what is shared, when a device copy may go, when to fetch;
 - `copies`: the CUDA copy path (cached side streams, events, one pinned arena), its device calls behind a
   small backend (`CudaStreams`, or `HostStreams` to run it on a CPU), and the plain CPU copies;
-- `hooks`: `ActivationOffload`, the saved-tensor hooks that join the two, and `restore_check`;
+- `hooks`: `ActivationOffload`, the saved-tensor hooks that join the two (`activation_offload(model)` builds
+  one for a causal LM), and `restore_check`;
 - `save_on_cpu`: torch's own `save_on_cpu`, counted, as the simple baseline;
 - `nominal`: compute or transfer — datasheet link and FP32 rates, and one step's FLOPs.
 """
 
 from trainmech.offload.book import OffloadBook, TransferStats
 from trainmech.offload.copies import HostArena, HostStreams, host_arena
-from trainmech.offload.hooks import ActivationOffload, restore_check
+from trainmech.offload.hooks import ActivationOffload, activation_offload, restore_check
 from trainmech.offload.nominal import NOMINAL, step_flops
 from trainmech.offload.save_on_cpu import CountingSaveOnCpu
 
 __all__ = [
     "ActivationOffload",
+    "activation_offload",
     "CountingSaveOnCpu",
     "HostArena",
     "HostStreams",

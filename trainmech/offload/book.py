@@ -41,7 +41,8 @@ class TransferStats:
     kept_exempt: int = 0  # left in place: packed by an exempt group (the last layers, the head and the loss)
     offloaded: int = 0  # storages copied to host
     shared: int = 0  # references served by a storage already offloaded (views, repeated saves)
-    prefetched: int = 0  # H2D copies issued before the backward asked for that storage
+    prefetched: int = 0  # H2D copies issued before the backward asked for that storage (issued, not arrived:
+    #                      whether a copy was back in time is what the compute stream's H2D wait measures)
     on_demand: int = 0  # H2D copies issued only when the backward asked (it then waits for them)
     fetched_unused: int = 0  # H2D copies the backward never unpacked (let go at finish, after their copy)
     d2h_bytes: int = 0
@@ -51,13 +52,14 @@ class TransferStats:
     host_chunks_allocated: int = (
         0  # host chunks this step had to allocate (0 once the arena holds a step's worth)
     )
-    transfer_s: float | None = None  # copy time on the side streams, both directions (CUDA events)
+    transfer_time_s: float | None = None  # copy time, both directions (CUDA events)
     h2d_wait_s: float | None = None  # compute-stream time spent waiting for H2D copies
     d2h_wait_s: float | None = None  # compute-stream time spent waiting for D2H copies before a release
 
     @property
-    def exposed_transfer_s(self) -> float | None:
-        """The glossary's exposed transfer time: what the compute stream waited for copies (None off CUDA)."""
+    def exposed_transfer_time_s(self) -> float | None:
+        """The glossary's exposed transfer time: what the compute stream waited for copies (None off CUDA).
+        A copy queued on the compute stream itself (save_on_cpu) is all exposed: its wait is its whole time."""
         if self.h2d_wait_s is None or self.d2h_wait_s is None:
             return None
         return self.h2d_wait_s + self.d2h_wait_s

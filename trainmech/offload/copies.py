@@ -6,9 +6,12 @@ device buffer), `before_use` (the compute stream waits for that H2D), `drain` (a
 step: wait for fetched copies nobody used before letting them go) and `read_times` (after the timed
 loop). On CUDA nothing here makes the host wait for the device, except `read_times`.
 
-- **Streams**: one D2H and one H2D side stream per device, made once and reused by every offload:
-  the caching allocator reuses a block only on the stream it was allocated for, so a new stream per
-  instance would mean fresh device allocations inside every timed step.
+- **Streams**: one D2H and one H2D side stream per device, made once and shared by every offload. No
+  device memory is allocated on them (an H2D destination comes from the compute stream, a D2H
+  destination is host memory); the reason is ordering: every offload writes into the same host arena,
+  and `CudaCopies.begin` makes the D2H stream wait for the H2D stream, so a step's D2H copies overwrite
+  arena slots only after the previous step's H2D copies have read them. That wait orders the two steps
+  only when both use the same H2D stream.
 - **No record_stream**: a D2H source is held (the stash) until the compute stream has waited for
   its copy, then dropped; an H2D destination is allocated on the compute stream, which also frees
   it, after waiting for the copy. A block is never counted free while a copy still uses it, so
@@ -374,6 +377,6 @@ class CudaCopies(HostCopies):
         """Copy and wait times from the events (one synchronisation: call it after the timed steps)."""
         s = self.streams
         s.synchronize()
-        stats.transfer_s = sum(s.seconds(a, b) for a, b in self.copies)
+        stats.transfer_time_s = sum(s.seconds(a, b) for a, b in self.copies)
         stats.d2h_wait_s = sum(max(0.0, s.seconds(a, b)) for a, b in self.d2h_waits)
         stats.h2d_wait_s = sum(max(0.0, s.seconds(a, b)) for a, b in self.h2d_waits)

@@ -1,6 +1,6 @@
 """ActivationOffload: saved-tensor hooks that keep large saved activations in host memory between forward and backward.
 
-    with ActivationOffload.for_model(model, min_bytes=1 << 20) as offload:
+    with activation_offload(model, min_bytes=1 << 20) as offload:
         loss = model(**batch, use_cache=False).loss
     loss.backward()
     stats = offload.finish()      # bytes each way, what stayed, what was fetched ahead — no device wait
@@ -10,8 +10,8 @@
 The decisions are `OffloadBook`'s (trainmech.offload.book), the copies the copy path's
 (trainmech.offload.copies): CUDA side streams, or the plain CPU copies. `streams=HostStreams()` runs
 the CUDA path's bookkeeping on a CPU (every copy done at once, every stream call logged).
-`for_model` groups the saved tensors by decoder layer, exempts the last layer, the head and the
-loss, and fetches `prefetch_groups` layers ahead of the backward.
+`activation_offload(model)` groups the saved tensors by decoder layer, exempts the last layer, the head
+and the loss, and fetches `prefetch_groups` layers ahead of the backward.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from trainmech.offload.book import OffloadBook, TransferStats
 from trainmech.offload.copies import CudaCopies, HostArena, HostCopies, HostStreams, host_arena
 
-__all__ = ["ActivationOffload", "restore_check"]
+__all__ = ["ActivationOffload", "activation_offload", "restore_check"]
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -73,12 +73,6 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._handles: list = []
         self._begun = False
         super().__init__(self.pack, self.unpack)
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, **kwargs) -> ActivationOffload:
-        """Offload for a transformers causal LM: its parameters stay, its decoder layers are the groups."""
-        device = next(model.parameters()).device
-        return cls(device, keep=model.parameters(), layers=model.model.layers, **kwargs)
 
     @property
     def stats(self) -> TransferStats:
@@ -193,6 +187,13 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         """CUDA: fill the copy and wait times from the events (waits for the device once); off CUDA: None."""
         self.copies.read_times(self.stats)
         return self.stats
+
+
+def activation_offload(model: torch.nn.Module, **kwargs) -> ActivationOffload:
+    """Activation offload for a transformers causal LM: its parameters stay, its decoder layers are the groups
+    (kwargs as ActivationOffload: min_bytes, exempt_last, prefetch_groups, arena, streams, …)."""
+    device = next(model.parameters()).device
+    return ActivationOffload(device, keep=model.parameters(), layers=model.model.layers, **kwargs)
 
 
 def restore_check(

@@ -1,9 +1,12 @@
 """torch's save_on_cpu(pin_memory=True), its pack and unpack written out, with what they move counted.
 
 Every saved tensor goes to the host, parameters and small tensors included, once per saved
-reference, and every copy is queued on the compute stream, so none overlaps with compute. Off
-CUDA torch does not pin, and the "H2D" `.to(device)` hands back the host tensor itself; the bytes
-are counted all the same (they are what a GPU run moves).
+reference, as a contiguous copy (`torch.empty(size)` then `copy_`: a transposed view comes back with
+other strides). On CUDA the host buffer is pinned memory from the caching host allocator and both
+copies are `non_blocking`: the host does not wait, but every copy is queued on the compute stream, so
+none overlaps with compute and its whole time is exposed (its wait is its copy time). Off CUDA torch
+does not pin, and the "H2D" `.to(device)` hands back the host tensor itself; the bytes are counted all
+the same (they are what a GPU run moves).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         super().__init__(pin_memory=True)
         self.stats = TransferStats()
         self.cuda = torch.device(device).type == "cuda"
-        self._copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._copies: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"d2h": [], "h2d": []}
         self._torch_pack, self._torch_unpack = self.pack_hook, self.unpack_hook  # torch's own pair
         self.pack_hook, self.unpack_hook = self.pack, self.unpack  # read when the hooks are entered
 
@@ -42,7 +45,7 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         start = self._mark()
         packed = self._torch_pack(t)
         if self.cuda:
-            self._copies.append((start, self._mark()))
+            self._copies["d2h"].append((start, self._mark()))
         self.stats.packed += 1
         self.stats.offloaded += 1
         self.stats.d2h_bytes += t.numel() * t.element_size()
@@ -53,7 +56,7 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         start = self._mark()
         t = self._torch_unpack(packed)
         if self.cuda:
-            self._copies.append((start, self._mark()))
+            self._copies["h2d"].append((start, self._mark()))
         self.stats.h2d_bytes += t.numel() * t.element_size()
         return t
 
@@ -61,8 +64,11 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         return self.stats
 
     def read_times(self) -> TransferStats:
-        """CUDA: the copies' time from the events (waits for the device once); off CUDA: None."""
+        """CUDA: the copies' time from the events (waits for the device once), each direction's also its wait:
+        the copies run on the compute stream, so all of it is exposed; off CUDA: None."""
         if self.cuda:
             torch.cuda.synchronize()
-            self.stats.transfer_s = sum(s.elapsed_time(e) for s, e in self._copies) / 1e3
+            spent = {k: sum(s.elapsed_time(e) for s, e in pairs) / 1e3 for k, pairs in self._copies.items()}
+            self.stats.d2h_wait_s, self.stats.h2d_wait_s = spent["d2h"], spent["h2d"]
+            self.stats.transfer_time_s = spent["d2h"] + spent["h2d"]
         return self.stats
