@@ -30,7 +30,7 @@ from trainmech import amp, checkpointing, supervision, update
 from trainmech.errors import TrainmechError
 from trainmech.offload import activation_offload
 from trainmech.update import wsd_multiplier
-from trainmech.workload import lm_batch, split_micro_batches, supervised_tokens, uneven_batch
+from trainmech.workload import lm_batch, split_micro_batches, supervised_tokens, to_device, uneven_batch
 
 __all__ = [
     "MAX_SCALE_HALVINGS",
@@ -257,10 +257,6 @@ class GateWorkload:
         )
 
 
-def _on(device: torch.device, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
-
-
 def gate_workload(
     model,
     *,
@@ -284,7 +280,7 @@ def gate_workload(
     windows = [
         MicroBatches(
             [
-                _on(device, mb)
+                to_device(mb, device)
                 for mb in split_micro_batches(uneven_batch(rows, seq, offset=a * rows * seq), micro_batches)
             ]
         )
@@ -304,7 +300,7 @@ def gate_workload(
         model,
         initial,
         windows,
-        _on(device, uneven_batch(rows, seq, "general")),
+        to_device(uneven_batch(rows, seq, "general"), device),
         tuple(inject_at),
         lr,
         schedule,
@@ -332,8 +328,8 @@ def fixed_batch_workload(
     return GateWorkload(
         model,
         initial,
-        [MicroBatches([_on(device, batch)]) for _ in range(updates)],
-        _on(device, lm_batch("general", rows, seq)),
+        [MicroBatches([to_device(batch, device)]) for _ in range(updates)],
+        to_device(lm_batch("general", rows, seq), device),
         (),
         lr,
         schedule,

@@ -30,21 +30,7 @@ checks to `EXERCISES` (through `harness._exercise`), in notebook order. The chec
 lives in `harness`, which the Task modules import; nothing else is registered or changed.
 """
 
-# check, EXERCISES and PASSED are the API; the underscored helpers are re-exported for the Task
-# modules that import them from the package rather than from harness.
-from trainmech.exercises.harness import (  # noqa: F401
-    EXERCISES,
-    PASSED,
-    _exercise,
-    _first_line,
-    _rel,
-    _Run,
-    _tensor,
-    _tiny_model,
-    _tuple,
-    _Wrong,
-    check,
-)
+from trainmech.exercises.harness import EXERCISES, PASSED, check
 
 __all__ = ["check", "EXERCISES", "PASSED"]
 

@@ -7,7 +7,7 @@ from itertools import combinations
 
 import torch
 
-from trainmech.exercises import _exercise, _Run, _tiny_model, _Wrong
+from trainmech.exercises.harness import _exercise, _Run, _tiny_model, _Wrong
 
 __all__ = ["UNSEEN", "WHY"]
 

@@ -7,7 +7,16 @@ import weakref
 import torch
 
 from trainmech.checks import dtype_name
-from trainmech.exercises import _exercise, _first_line, _rel, _Run, _tensor, _tiny_model, _tuple, _Wrong
+from trainmech.exercises.harness import (
+    _exercise,
+    _first_line,
+    _rel,
+    _Run,
+    _tensor,
+    _tiny_model,
+    _tuple,
+    _Wrong,
+)
 
 
 def _storage_ptr(t: torch.Tensor) -> int:

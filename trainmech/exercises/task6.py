@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from trainmech.exercises import _exercise, _Run, _tiny_model, _tuple, _Wrong
+from trainmech.exercises.harness import _exercise, _Run, _tiny_model, _tuple, _Wrong
 
 _GATE_TRACES: dict[str, object] = {}
 

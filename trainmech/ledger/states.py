@@ -112,9 +112,17 @@ def forward_states(setup: Setup) -> list[State]:
     )
     pure_16bit = dtypes.sixteen_bit and not dtypes.autocast
     out = [
-        # the layers read position_ids until the head; under checkpointing each checkpoint also keeps it as an
-        # input of its layer call until that layer's recompute, which the ledger leaves out (Task4 prints the gap)
-        State("position_ids", "unsaved_activations", s * INDEX_BYTES, "forward.embed", "forward.head:norm"),
+        # the layers read position_ids until the head; under full checkpointing each checkpoint also keeps it
+        # as an input of its layer call, so it lives (saved) until layer 0 is rebuilt in the backward
+        (
+            State(
+                "position_ids", "saved", s * INDEX_BYTES, "forward.embed", "backward.layer.0:input_layernorm"
+            )
+            if setup.checkpointing == "full"
+            else State(
+                "position_ids", "unsaved_activations", s * INDEX_BYTES, "forward.embed", "forward.head:norm"
+            )
+        ),
         # Qwen2RotaryEmbedding in fp32: angles (s, d/2), their doubled copy and cos or sin before scaling
         State(
             "rope.angles",
