@@ -526,7 +526,7 @@ def check_save_on_cpu(probe: Probe) -> str:
 
 
 def check_gates(probe: Probe) -> str:
-    from trainmech import candidates, gates, tracing
+    from trainmech import candidates, gate_report, gates, tracing
 
     gw = candidates.gate_workload(
         probe.model(),
@@ -539,7 +539,7 @@ def check_gates(probe: Probe) -> str:
         dropout=0.1,
     )
     reference = gates.make_reference(gw)
-    report = gates.judge(
+    report = gate_report.judge(
         candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing),
         gw,
         reference,
@@ -552,7 +552,7 @@ def check_gates(probe: Probe) -> str:
     )
     fields, table = (
         report.record_fields("gpu-check"),
-        gates.strategy_table(report.reference_performance, {"checkpoint": report}),
+        gate_report.strategy_table(report.reference_performance, {"checkpoint": report}),
     )
     require(
         fields["conclusion"]["decision"] == report.decision and "checkpoint" in table,
@@ -908,9 +908,9 @@ PACKAGE = [
             "tracing._emptied_cache",
             "tracing._allocator_peaks",
             "gates.decide",
-            "gates.performance_verdict",
-            "gates.Report.record_fields",
-            "gates.strategy_table",
+            "gate_report.performance_verdict",
+            "gate_report.Report.record_fields",
+            "gate_report.strategy_table",
         ),
         "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks through "
         "measure.allocator_window, the CUDA context and the bytes per sequence in the performance stage; accept / tune / "
