@@ -16,8 +16,9 @@ import torch
 
 from trainmech import measure, profiles, workload
 from trainmech.errors import TrainmechError
-from trainmech.gpucheck import branches, budget, bundle, limits, scan
+from trainmech.gpucheck import branches, budget, bundle, checks, limits, scan
 from trainmech.gpucheck import main as gpu_check
+from trainmech.gpucheck.probe import Probe
 
 pytestmark = pytest.mark.package
 
@@ -120,13 +121,13 @@ def test_package_check_runs_on_cpu(branch, cpu_self_test):
 
 
 def test_attention_kernel_probe_sees_the_kernel_that_ran():
-    probe = branches.Probe.for_device(CPU)
+    probe = Probe.for_device(CPU)
     model, batch = probe.model(), probe.lm_batch()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    assert branches.dispatched_attention_kernel(model, batch) == "flash"
+    assert checks.dispatched_attention_kernel(model, batch) == "flash"
     with sdpa_kernel(SDPBackend.MATH):
-        assert branches.dispatched_attention_kernel(model, batch) == "math"
+        assert checks.dispatched_attention_kernel(model, batch) == "math"
 
 
 # ---------------------------------------------------------------- allocator statistics, the source forced
@@ -186,7 +187,7 @@ def test_copy_bandwidth_on_a_cpu_says_what_it_measured():
 
 
 def test_step_phase_times_and_the_offload_bound():
-    probe = branches.Probe.for_device(CPU)
+    probe = Probe.for_device(CPU)
     model = probe.model()
     phases = limits.step_phase_times(
         model, probe.lm_batch(), torch.optim.AdamW(model.parameters()), warmup=1, repeats=2

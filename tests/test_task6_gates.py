@@ -1,6 +1,6 @@
 """Task6 guard: the correctness gates (trainmech.gates) over candidates (trainmech.candidates) and their traces
-(trainmech.tracing), the noise floor, the decision rules. (The registry rendered from the gates'
-records is tested in test_results.py.)
+(trainmech.tracing), the noise floor, the decision rules, and the pipeline that judges a candidate through
+them (trainmech.gate_report). (The registry rendered from the gates' records is tested in test_results.py.)
 
 Every planted bug must be stopped by the gate meant for it, with every earlier gate passing and no
 later gate run; the same candidate without the bug must pass every gate. The gate workload has a
@@ -22,6 +22,7 @@ from trainmech import (
     amp,
     candidates,
     checkpointing,
+    gate_report,
     gates,
     plots,
     profiles,
@@ -245,7 +246,7 @@ PLANTED = {  # bug -> (the candidate with it, the gate that must stop it, the ca
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_a_planted_bug_is_stopped_by_its_gate_and_only_then(gw, reference, bug):
     buggy, gate, _ = PLANTED[bug]
-    report = gates.judge(buggy, gw, reference, warmup=0, repeats=1)
+    report = gate_report.judge(buggy, gw, reference, warmup=0, repeats=1)
     k = gates.GATES.index(gate)
     assert report.failed_gate == gate, report.lines()
     assert [v.name for v in report.verdicts] == list(gates.GATES[: k + 1])  # the pipeline stopped there
@@ -257,7 +258,7 @@ def test_a_planted_bug_is_stopped_by_its_gate_and_only_then(gw, reference, bug):
 
 @pytest.mark.parametrize("fixed", [FP16, CHECKPOINT, OFFLOAD], ids=lambda c: c.name)
 def test_without_the_bug_no_gate_fires(gw, reference, fixed):
-    report = gates.judge(fixed, gw, reference, warmup=0, repeats=1)
+    report = gate_report.judge(fixed, gw, reference, warmup=0, repeats=1)
     assert report.failed_gate is None, report.lines()
     assert [v.name for v in report.verdicts] == list(gates.GATES)
     assert [v.passed for v in report.verdicts] == [True] * 4 + [
@@ -330,7 +331,7 @@ def test_every_planted_bug_has_its_true_twin_and_every_twin_is_judged():
 
 @pytest.mark.parametrize("fixed", [CLAMP, COUNTED_OUT, FP32], ids=lambda c: c.name)
 def test_the_fixed_variants_pass_the_gates_without_a_measurement(gw, reference, fixed):
-    report = gates.judge(fixed, gw, reference, measure=False)
+    report = gate_report.judge(fixed, gw, reference, measure=False)
     assert [v.passed for v in report.verdicts] == [True] * 4 and report.performance is None
     assert "not measured" in report.lines()[-2] and report.stages() == [True] * 4 + ["not measured"]
 
@@ -397,7 +398,7 @@ def test_an_fp16_candidate_whose_gradscaler_skips_an_update_is_judged_like_for_l
     reported by gate 3. Two halvings too high: two skips, more than a quarter of 7 updates: the scale is not
     settled, and gate 3 (not gate 2: the skipped windows' gradients were never used) says so."""
     once, twice = (
-        gates.judge(
+        gate_report.judge(
             FP16,
             dataclasses.replace(gw, loss_scale_start=s, calibrate_loss_scale=False),
             reference,
@@ -511,13 +512,13 @@ def test_a_candidate_that_draws_random_numbers_changes_the_rng_evidence(gw, refe
 
 def test_planted_record_fields_say_which_gate_fired(gw, reference):
     buggy, gate, fixed = PLANTED["faster-skips-work"]
-    fields = gates.planted_record_fields(
+    fields = gate_report.planted_record_fields(
         reference,
         {
             "faster": (
                 gate,
-                gates.judge(buggy, gw, reference),
-                gates.judge(fixed, gw, reference, measure=False),
+                gate_report.judge(buggy, gw, reference),
+                gate_report.judge(fixed, gw, reference, measure=False),
             )
         },
         "next",

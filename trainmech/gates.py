@@ -1,8 +1,8 @@
 """Correctness gates: is a candidate training strategy correct, and only then, is it worth adopting.
 
 The reference and the candidate run through the same gate workload (trainmech.candidates), each
-run recorded in a Trace (trainmech.tracing). Four gates judge, in order, and the pipeline stops at
-the first that fails; a fifth stage measures and never passes or fails:
+run recorded in a Trace (trainmech.tracing). Four gates judge, in order, up to the first that
+fails; a fifth stage measures and never passes or fails:
 
     1 inputs       per window, the same multiset of sequences reached the model (re-splitting, reordering or
                    packing keeps it), the same windows were handed out, under the same RNG state
@@ -15,9 +15,13 @@ the first that fails; a fifth stage measures and never passes or fails:
                    training moved it
     5 performance  a measurement, not a gate (its verdict's `passed` is None), only after 1-4 passed
 
-    ref = gates.make_reference(gw)                 # the FP32 baseline's trace, and its noise floor
-    report = gates.judge(candidate, gw, ref)       # gates 1-4 (`correctness_gate`), then the measurement
-    report.outcome, report.reason                  # accept / tune / no-gain / reject, or None without GPU numbers
+Here: the reference and its noise floor, the tolerances, the four gates (`correctness_gate` applies
+them in order) and the decision rule (`DecisionRule`, `RULE`, `decide`). Running a candidate through
+all five stages and the report it gives are trainmech.gate_report:
+
+    ref = gates.make_reference(gw)                   # the FP32 baseline's trace, and its noise floor
+    report = gate_report.judge(candidate, gw, ref)   # gates 1-4, then the measurement, then `decide`
+    report.outcome, report.reason                    # accept / tune / no-gain / reject, or None without GPU numbers
 
 Tolerances (`tolerances`) start from the dtype (unit roundoff for gradients, a fraction of the
 training movement for quality) and are checked against the reference's own noise: it is run again
@@ -28,9 +32,10 @@ capacity gain (less memory per sequence of a micro-batch, over its forward + bac
 step still peaks as high.
 
 FP16's GradScaler may skip an update the reference made (an overflow after the calibrated start): that is
-GradScaler doing its job, not the candidate's error. `judge` then holds the candidate to the reference
-skipping the same attempts, and gate 3 reports those skips apart from the update clock — up to a quarter
-of the reference's effective updates (`MAX_SCALER_SKIP_FRACTION`); more, and the loss scale is not settled.
+GradScaler doing its job, not the candidate's error. `gate_report.judge` then holds the candidate to the
+reference skipping the same attempts, and gate 3 reports those skips apart from the update clock — up to a
+quarter of the reference's effective updates (`MAX_SCALER_SKIP_FRACTION`); more, and the loss scale is not
+settled.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 
 from trainmech.candidates import Candidate, GateWorkload
 from trainmech.checks import num
-from trainmech.tracing import Performance, Trace, remeasure, run_trace
+from trainmech.tracing import Performance, Trace, run_trace
 
 __all__ = [
     "GATES",
@@ -72,18 +77,14 @@ __all__ = [
     "updates_gate",
     "quality_gate",
     "magnitude",
+    "effective_updates",
     "scaler_skips",
     "correctness_gate",
+    "bitwise_equal",
     "DecisionRule",
     "RULE",
     "decide_measured",
     "decide",
-    "Report",
-    "performance_verdict",
-    "judge",
-    "bitwise_equal",
-    "planted_record_fields",
-    "strategy_table",
 ]
 
 GATES = ("inputs", "gradients", "updates", "quality", "performance")
@@ -391,7 +392,8 @@ def gradients_gate(
     )
 
 
-def _effective(trace: Trace) -> int:
+def effective_updates(trace: Trace) -> int:
+    """Attempts that stepped and wrote only finite values: the update clock's count."""
     return sum(s and f for s, f in zip(trace.stepped, trace.finite))
 
 
@@ -415,10 +417,10 @@ def updates_gate(
     """Gate 3: effective updates as many as the reference's, nothing non-finite written, and the
     optimizer, the scheduler and the learning rates following the update clock.
 
-    skipped_by_scaler: attempts the candidate's GradScaler skipped where the reference (before `judge` held
-    the candidate to a reference skipping them too) stepped: reported apart; more than
-    MAX_SCALER_SKIP_FRACTION of the reference's effective updates fail. Without it, any found here count."""
-    effective, want = _effective(cand), _effective(ref)
+    skipped_by_scaler: attempts the candidate's GradScaler skipped where the reference (before
+    `gate_report.judge` held the candidate to a reference skipping them too) stepped: reported apart; more
+    than MAX_SCALER_SKIP_FRACTION of the reference's effective updates fail. Without it, any found here count."""
+    effective, want = effective_updates(cand), effective_updates(ref)
     overflowed = list(skipped_by_scaler) or scaler_skips(ref, cand)
     lrs = expected_lrs if expected_lrs is not None else ref.lrs
     evidence = {
@@ -474,12 +476,6 @@ def updates_gate(
     )
 
 
-def _power_of_two(x: float) -> str:
-    """2**k for a power of two (a GradScaler scale), else the number."""
-    k = math.log2(x) if x > 0 else 0.5
-    return f"2**{int(k)}" if k == int(k) else f"{x:g}"
-
-
 def magnitude(x: float) -> str:
     """A noise-level float as the power of ten just above it ("< 1e-04"), 0 exactly as "0": its size is shown,
     and its last digits, which another machine's rounding moves, are not."""
@@ -533,6 +529,22 @@ def correctness_gate(
         if not verdicts[-1].passed:
             break
     return verdicts
+
+
+def bitwise_equal(ref: Trace, cand: Trace) -> bool:
+    """Every window's loss and every gradient tensor bitwise equal to the reference's (over the candidate's
+    windows, which may be fewer): what a strategy that changes no arithmetic (recompute the same ops, fetch
+    back the same bits) must give on a CPU."""
+    n = len(cand.grads)
+    return (
+        cand.error is None
+        and 0 < n <= len(ref.grads)
+        and cand.losses == ref.losses[:n]
+        and all(
+            a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            for a, b in zip(cand.grads, ref.grads)
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- the decision
@@ -618,320 +630,3 @@ def decide(
         f"either {-rule.min_peak_drop:+.0%} or lower at ≤ x{rule.max_time_ratio:g}, or median ≤ x{1 - rule.min_speedup:g}; "
         f"no-gain: neither"
     )
-
-
-# ----------------------------------------------------------------------------- the pipeline
-
-
-@dataclass
-class Report:
-    candidate: Candidate
-    verdicts: list[Verdict]
-    performance: Performance | None
-    reference_performance: Performance | None
-    outcome: str | None  # accept / tune / no-gain / reject, or None (no GPU numbers)
-    reason: str
-    evidence_level: str
-    trace: Trace
-    tolerances: Tolerances
-
-    @property
-    def decision(self) -> str | None:
-        """The record's decision field: accept / tune / reject (no-gain is a reject without a failure)."""
-        return None if self.outcome is None else RECORD_DECISION[self.outcome]
-
-    @property
-    def failed_gate(self) -> str | None:
-        return next((v.name for v in self.verdicts if v.failed), None)
-
-    def verdict(self, name: str) -> Verdict | None:
-        return next((v for v in self.verdicts if v.name == name), None)
-
-    def lines(self) -> list[str]:
-        """The report as printed lines: one per stage, ✓ passed, ✗ failed, — measured (performance), · not run
-        (an earlier gate failed), ○ not measured (a check of the gates only); FP16: the loss scale's start."""
-        c = self.candidate
-        out = [f"{c.name}  ({c.semantic_id}, claims {c.dtype})"]
-        if self.trace.loss_scale is not None:
-            out.append(
-                f"  loss scale: starts at {_power_of_two(self.trace.loss_scale)}, after {self.trace.scale_halvings} "
-                "halvings of the calibration (not counted as skips)"
-            )
-        for name in GATES:
-            v = self.verdict(name)
-            if v is None and self.failed_gate is None:
-                mark, text = "○", "not measured: this run checks the gates only"
-            elif v is None:
-                mark, text = "·", "not run: an earlier gate failed"
-            else:
-                mark, text = {True: "✓", False: "✗", None: "—"}[v.passed], v.message
-            out.append(f"  {mark} {name:<12} {text}")
-        out.append(f"  outcome: {self.outcome or 'null'}  ({self.evidence_level})")
-        return out
-
-    def stages(self) -> list[bool | str | None]:
-        """Per stage of GATES, for the gate matrix: True / False (passed / failed), "measured" (performance),
-        None (not run: an earlier gate failed), "not measured" (a check of the gates only)."""
-        out = []
-        for name in GATES:
-            v = self.verdict(name)
-            if v is None:
-                out.append("not measured" if self.failed_gate is None else None)
-            else:
-                out.append("measured" if v.passed is None else v.passed)
-        return out
-
-    @property
-    def record_dtype(self) -> str:
-        """The record's dtype: float32, or the claimed 16-bit dtype under autocast."""
-        return "float32" if self.candidate.dtype == "float32" else f"{self.candidate.dtype}-autocast"
-
-    def record_fields(self, next_step: str | None = None) -> dict:
-        """correctness / resources / conclusion / metrics for `Session.record` (the gates' evidence, the measurement)."""
-        g, u, q = (
-            self.verdict(n).evidence if self.verdict(n) else {} for n in ("gradients", "updates", "quality")
-        )
-        p = self.performance
-        resources = (
-            {}
-            if p is None
-            else {
-                k: getattr(p, k)
-                for k in (
-                    "peak_allocated_bytes",
-                    "peak_reserved_bytes",
-                    "step_time_median_s",
-                    "step_time_p95_s",
-                )
-            }
-        )
-        metrics = {
-            "gates": {v.name: v.passed for v in self.verdicts},
-            "outcome": self.outcome,
-            "decision_reason": self.reason,
-            "grad_rtol": self.tolerances.grad_rtol,
-            "grad_rtol_from": self.tolerances.grad_from,
-            "quality_bound": self.tolerances.quality_bound,
-            "quality_bound_from": self.tolerances.quality_from,
-            "loss_scale_halvings": self.trace.scale_halvings,
-            "loss_scale_skips": u.get("scaler_skips"),
-        }
-        if g.get("worst"):
-            metrics |= {
-                "worst_parameter": next(iter(g["worst"])),
-                "worst_parameter_rel_error": max(g["worst"].values()),
-                "windows_compared": g["windows_compared"],
-            }
-        if q:
-            metrics |= {
-                "held_out_loss": q["held_out_loss"],
-                "reference_held_out_loss": q["reference_held_out_loss"],
-            }
-        if p is not None:
-            ref = self.reference_performance
-            metrics |= {
-                k: getattr(p, k)
-                for k in (
-                    "forward_backward_allocated_bytes",
-                    "forward_backward_reserved_bytes",
-                    "bytes_per_row",
-                    "cuda_context_bytes",
-                    "exposed_transfer_time_s",
-                    "transfer_time_s",
-                    "warmup",
-                    "repeats",
-                )
-            }
-            metrics |= {
-                "cpu_tracked_peak_bytes": None if p.on_gpu else p.tracked_peak_bytes,
-                "cpu_tracked_forward_backward_bytes": None if p.on_gpu else p.tracked_forward_backward_bytes,
-                "reference_step_time_median_s": ref.step_time_median_s,
-                "reference_peak_reserved_bytes": ref.peak_reserved_bytes,
-                "reference_bytes_per_row": ref.bytes_per_row,
-                "reference_tracked_peak_bytes": ref.tracked_peak_bytes,
-            }
-        return {
-            "correctness": {
-                "output_max_abs_error": g.get("loss_abs_error"),
-                "grad_max_abs_error": g.get("grad_max_abs_error"),
-                "all_finite": None if not u else not u["non_finite_written"],
-                "skipped_updates": u.get("skipped_updates"),
-                "effective_updates": u.get("effective_updates"),
-            },
-            "resources": resources,
-            "conclusion": {
-                "decision": self.decision,
-                "evidence_level": self.evidence_level,
-                "next_step": next_step,
-                "failure": f"{self.failed_gate} gate failed" if self.failed_gate else None,
-            },
-            "metrics": metrics,
-        }
-
-
-def performance_verdict(perf: Performance, reference: Performance) -> Verdict:
-    """Stage 5 measures; it is no gate (passed None): whether a measured gain is worth it is `decide`'s job."""
-    evidence = {
-        k: getattr(perf, k)
-        for k in (
-            "step_time_median_s",
-            "step_time_p95_s",
-            "peak_allocated_bytes",
-            "peak_reserved_bytes",
-            "forward_backward_reserved_bytes",
-            "bytes_per_row",
-            "tracked_peak_bytes",
-            "warmup",
-            "repeats",
-        )
-    }
-    if perf.on_gpu and reference.on_gpu:
-        message = (
-            f"median x{perf.step_time_median_s / reference.step_time_median_s:.2f}, reserved peak "
-            f"{perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1:+.1%}, bytes per sequence "
-            f"{perf.bytes_per_row / reference.bytes_per_row - 1:+.1%} vs the reference"
-        )
-    else:
-        message = (
-            f"measured on {perf.device_type}: CPU step times recorded, no GPU evidence; allocator peaks null; "
-            f"tracked tensor bytes of one update: forward + backward {perf.tracked_forward_backward_bytes:,}, "
-            f"whole update {perf.tracked_peak_bytes:,}"
-        )
-    return Verdict("performance", None, evidence, message)
-
-
-def judge(
-    cand: Candidate,
-    gw: GateWorkload,
-    ref: Reference,
-    *,
-    warmup: int = 1,
-    repeats: int = 3,
-    trace: Trace | None = None,
-    measure: bool = True,
-) -> Report:
-    """Run the candidate (each window's gradients also from the reference's weights: `run_trace(teacher=…)`), apply
-    the correctness gate (gates 1-4 in order up to the first failure), measure performance (paired with the
-    reference's, interleaved) only if all four passed (and `measure`: a check of the gates alone skips it), and
-    decide. Where the candidate's GradScaler skipped attempts the reference stepped (at most
-    MAX_SCALER_SKIP_FRACTION of its effective updates), both are run again with those attempts skipped, and the
-    gates compare those runs: like for like, the skips reported by gate 3."""
-    trace = trace or run_trace(cand, gw, teacher=ref.trace)
-    tol = ref.tolerances(cand.dtype)
-    skips, judged_ref = scaler_skips(ref.trace, trace), ref
-    if skips and len(skips) <= MAX_SCALER_SKIP_FRACTION * _effective(ref.trace):
-        trace.grads = []  # the first run's gradients are not judged
-        skipped, judged_ref = ref.skipping(gw, skips)
-        trace = run_trace(cand, skipped, teacher=judged_ref.trace)
-    expected_lrs = [gw.expected_lr(k) for k in range(len(trace.lrs))]
-    matched = skips if judged_ref is not ref else []  # unmatched, gate 3 finds (and counts) the skips itself
-    verdicts = correctness_gate(judged_ref.trace, trace, cand.dtype, tol, expected_lrs, matched)
-    perf = ref_perf = None
-    if measure and not any(v.failed for v in verdicts):
-        perf, ref_perf = remeasure(
-            cand,
-            ref.candidate,
-            gw,
-            warmup=warmup,
-            repeats=repeats,
-            init_scale=trace.loss_scale,
-            reference_peaks=ref.peaks,
-        )
-        verdicts.append(performance_verdict(perf, ref_perf))
-    outcome, reason = decide(verdicts, perf, ref_perf)
-    trace.grads = []  # kept only as long as gate 2 needs them (a GPU model's gradients are gigabytes per window)
-    return Report(
-        cand,
-        verdicts,
-        perf,
-        ref_perf,
-        outcome,
-        reason,
-        EVIDENCE_LEVEL.get(gw.device.type, "not-measured"),
-        trace,
-        tol,
-    )
-
-
-def bitwise_equal(ref: Trace, cand: Trace) -> bool:
-    """Every window's loss and every gradient tensor bitwise equal to the reference's (over the candidate's
-    windows, which may be fewer): what a strategy that changes no arithmetic (recompute the same ops, fetch
-    back the same bits) must give on a CPU."""
-    n = len(cand.grads)
-    return (
-        cand.error is None
-        and 0 < n <= len(ref.grads)
-        and cand.losses == ref.losses[:n]
-        and all(
-            a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-            for a, b in zip(cand.grads, ref.grads)
-        )
-    )
-
-
-def planted_record_fields(
-    reference: Reference, planted: dict[str, tuple[str, Report, Report]], next_step: str
-) -> dict:
-    """TRAIN-CORRECTNESS-GATE: every planted bug -> (the gate meant to stop it, the buggy candidate's report,
-    the report of the same candidate without the bug), with the reference and its noise floor."""
-    ref, floor = reference.trace, reference.floor
-    effective = sum(s and f for s, f in zip(ref.stepped, ref.finite))
-    return {
-        "correctness": {
-            "all_finite": all(ref.finite),
-            "skipped_updates": len(ref.stepped) - effective,
-            "effective_updates": effective,
-        },
-        "conclusion": {"next_step": next_step},
-        "metrics": {
-            "expected_gate": {bug: gate for bug, (gate, _, _) in planted.items()},
-            "fired_gate": {bug: buggy.failed_gate for bug, (_, buggy, _) in planted.items()},
-            "fixed_candidate": {bug: fixed.candidate.name for bug, (_, _, fixed) in planted.items()},
-            "fixed_passes_all_gates": {
-                fixed.candidate.name: fixed.failed_gate is None for _, _, fixed in planted.values()
-            },
-            "all_caught_as_expected": all(buggy.failed_gate == gate for gate, buggy, _ in planted.values()),
-            "grad_rtol": dict(GRAD_RTOL),
-            "quality_fraction": dict(QUALITY_FRACTION),
-            "training_movement": movement(ref),
-            "noise_grad_self": None if floor is None else floor.grad_self,
-            "noise_grad_seed": None if floor is None else floor.grad_seed,
-            "noise_quality_self": None if floor is None else floor.quality_self,
-            "noise_quality_seed": None if floor is None else floor.quality_seed,
-        },
-    }
-
-
-def strategy_table(reference: Performance, reports: dict[str, Report]) -> str:
-    """The quality-capacity-time table of TRAIN-MEMORY-STRATEGY: one line per candidate that reached the
-    performance stage. Quality: |Δ| of the held-out loss against the reference, beside its bound. Capacity:
-    the tracked tensor bytes of one steady update at their peak (before the optimizer step, and over the whole
-    update), the bytes per sequence (what one more sequence adds to a micro-batch's forward + backward peak),
-    on a GPU the allocator's reserved and allocated peaks of the whole update. Time: the median against the
-    reference's and the P95, GPU only. CPU: the GPU columns null."""
-    cell = lambda v, fmt: "null" if v is None else format(v, fmt)  # noqa: E731
-    change = lambda v, ref: f"{v / ref - 1:+.0%}"  # noqa: E731
-    gpu = reference.on_gpu
-    head = (
-        f"{'candidate':<20} {'|Δ held-out|':>12} {'bound':>8} {'tracked fwd+bwd':>16} {'vs ref':>7} "
-        f"{'tracked update':>15} {'vs ref':>7} {'B/sequence':>11} {'vs ref':>7} {'peak reserved':>14} "
-        f"{'peak allocated':>15} {'median x':>9} {'P95 s':>8}  outcome"
-    )
-
-    def row(name, p, delta, bound, ratio, outcome, changes=True):
-        ref = reference
-        return (
-            f"{name:<20} {delta:>12} {bound:>8} {p.tracked_forward_backward_bytes:>16,} "
-            f"{change(p.tracked_forward_backward_bytes, ref.tracked_forward_backward_bytes) if changes else '':>7} "
-            f"{p.tracked_peak_bytes:>15,} {change(p.tracked_peak_bytes, ref.tracked_peak_bytes) if changes else '':>7} "
-            f"{p.bytes_per_row:>11,} {change(p.bytes_per_row, ref.bytes_per_row) if changes else '':>7} "
-            f"{cell(p.peak_reserved_bytes, ','):>14} {cell(p.peak_allocated_bytes, ','):>15} {cell(ratio, '.2f'):>9} "
-            f"{cell(p.step_time_p95_s if gpu else None, '.4f'):>8}  {outcome}"
-        )
-
-    lines = [head, row("fp32-baseline", reference, "0", "", 1.0 if gpu else None, "", changes=False)]
-    for name, r in reports.items():
-        p, q = r.performance, r.verdict("quality").evidence
-        ratio = p.step_time_median_s / r.reference_performance.step_time_median_s if gpu else None
-        lines.append(row(name, p, magnitude(q["delta"]), num(q["bound"], 2), ratio, r.outcome or "null"))
-    return "\n".join(lines)

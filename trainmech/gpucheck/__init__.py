@@ -11,9 +11,10 @@ small workloads (`SMOKE`), every registered cell judged from the executed notebo
 goes to `<out>/gpu-check.json` and `<out>/gpu-check.md`; executed notebooks under `<out>/notebooks/`.
 Exit status 0 when nothing failed but the failures an open issue expects (`Branch.known`).
 
-Modules: `scan` finds the device-dependent sites, `branches` holds the registry and its checks,
-`limits` measures the machine, `budget` predicts the full run, `notebooks` runs the notebook pass,
-`report` writes the report, `bundle` keeps the carry bundle's list.
+Modules: `scan` finds the device-dependent sites, `branches` holds the registry, `checks` and
+`strategy_checks` the package checks, `probe` what they run on (`Probe`) and how they fail, `limits`
+measures the machine, `budget` predicts the full run, `notebooks` runs the notebook pass, `report`
+writes the report, `bundle` keeps the carry bundle's list.
 """
 
 from __future__ import annotations
@@ -206,8 +207,9 @@ def _run_one(branch, probe) -> dict:
     """Run one package check with its time and (CUDA) the device memory it used at most."""
     import torch
 
-    from trainmech.gpucheck.branches import CheckFailed, result_row, with_expectation
+    from trainmech.gpucheck.branches import result_row, with_expectation
     from trainmech.gpucheck.notebooks import DeviceMemory
+    from trainmech.gpucheck.probe import CheckFailed
 
     gc.collect()
     if probe.cuda:
@@ -248,6 +250,7 @@ def run(
     from trainmech.gpucheck import branches, budget
     from trainmech.gpucheck import report as report_file
     from trainmech.gpucheck.notebooks import NOTEBOOK_TIMEOUT_S, SMOKE, run_notebooks
+    from trainmech.gpucheck.probe import Probe
 
     if not cpu and not torch.cuda.is_available():
         raise TrainmechError(
@@ -272,7 +275,7 @@ def run(
             spf, f"the measured baseline step ({report['limits']['baseline_step']['shape']})" if spf else None
         )
         report["budget_lines"] = budget.render(report["budget"])
-        probe = branches.Probe.for_device(device)
+        probe = Probe.for_device(device)
         for b in branches.PACKAGE:
             say(f"branch {b.name}")
             rows.append(_run_one(b, probe))

@@ -1,0 +1,307 @@
+"""gpu-check's package checks of the memory strategies, the gates and Task5's records.
+
+Each runs one CUDA-only branch at small sizes on a `Probe` (trainmech.gpucheck.probe): activation
+offload on CUDA streams (its hooks never synchronising), torch's save_on_cpu timed by CUDA events, a
+checkpoint candidate judged through the gates (the CUDA RNG, the allocator's peaks, accept / tune /
+no-gain), and Task5's strategy records. Every strategy's gradients are held to the baseline's: bitwise
+on a CPU, within 1e-4 of each gradient's scale on CUDA.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from trainmech import ledger
+from trainmech.gpucheck.probe import Probe, forward_backward, require, same_gradients
+
+__all__ = [
+    "check_offload",
+    "check_save_on_cpu",
+    "check_gates",
+    "check_strategy_records",
+]
+
+
+@contextmanager
+def _sync_error():
+    """CUDA: inside, any call that makes the host wait for the device raises (torch.cuda.set_sync_debug_mode)."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+def _never_syncing(hooks):
+    """The offload's own calls — pack, unpack, the layer-group pre-hooks — each under _sync_error (the model's
+    own ops run outside it: whether they synchronise is the model's business, not the offload's)."""
+
+    def guarded(fn):
+        def call(*args):
+            with _sync_error():
+                return fn(*args)
+
+        return call
+
+    hooks.pack_hook, hooks.unpack_hook = guarded(hooks.pack_hook), guarded(hooks.unpack_hook)
+    hooks._start_group = guarded(hooks._start_group)  # what the layers' forward pre-hooks call
+    return hooks
+
+
+def check_offload(probe: Probe) -> str:
+    """The CUDA copy path (CudaCopies): on a GPU with CUDA streams, its second step's hooks and finish() under
+    the sync debug mode "error"; on a CPU with HostStreams (every copy done at once, every stream call logged,
+    the log checked for order), the sync debug mode skipped (there is no device to wait for)."""
+    from trainmech.offload import HostStreams, activation_offload
+
+    model = probe.model()
+    batch = probe.lm_batch()
+    ref = forward_backward(model, batch)
+    hidden = probe.batch * probe.seq * model.config.hidden_size * 4
+    streams = None if probe.cuda else HostStreams()
+    runs, offloads, starts = [], [], []
+    for step in range(2):  # the second step must reuse the first one's host arena
+        starts.append(len(streams.log) if streams else 0)
+        hooks = activation_offload(
+            model, min_bytes=hidden // 4, exempt_last=0, prefetch_groups=1, streams=streams
+        )
+        guarded = probe.cuda and step == 1  # the step after the arena exists, as every timed update
+        ours = forward_backward(model, batch, _never_syncing(hooks) if guarded else hooks)
+        with _sync_error() if guarded else nullcontext():
+            runs.append(hooks.finish())
+        hooks.read_times()  # the events, after the step (it waits for the device once)
+        offloads.append(hooks)
+    st, copies = runs[0], offloads[0].copies
+    same, how = same_gradients(probe, ours, ref)
+    require(same, f"gradients under ActivationOffload differ from the baseline ({how})")
+    require(
+        st.d2h_bytes == st.h2d_bytes > 0 and st.prefetched > 0 and st.on_demand == 0,
+        f"transfer bookkeeping: {st}",
+    )
+    require(
+        runs[1].host_chunks_allocated == 0,
+        f"the second step allocated {runs[1].host_chunks_allocated} new host chunk(s)",
+    )
+    require(
+        not copies._done and not copies._ready and all(e.used for e in offloads[0].entries),
+        "a copy's end event was never waited for, or a fetched copy never used",
+    )
+    require(
+        len(copies.copies) == st.offloaded + st.prefetched + st.on_demand,
+        f"{len(copies.copies)} copies for {st.offloaded} offloaded + {st.prefetched + st.on_demand} fetched",
+    )
+    require(
+        st.transfer_time_s is not None and st.transfer_time_s > 0 and st.exposed_transfer_time_s is not None,
+        f"transfer times {st.transfer_time_s} / {st.exposed_transfer_time_s}",
+    )
+    if probe.cuda:
+        times = f"copies {st.transfer_time_s * 1e3:.2f} ms, exposed {st.exposed_transfer_time_s * 1e3:.2f} ms"
+        syncs = "the second step's hooks and finish() never synchronise (sync debug mode 'error')"
+    else:
+        bounds = zip(starts, [*starts[1:], len(streams.log)])
+        problems = [p for start, stop in bounds for p in streams.out_of_order(start, stop)]
+        require(not problems, "; ".join(problems[:3]))
+        require(
+            st.exposed_transfer_time_s == 0.0,
+            f"host copies are done at once, yet {st.exposed_transfer_time_s} s exposed",
+        )
+        times = f"{len(streams.log)} stream calls in order, host-clock copies {st.transfer_time_s * 1e3:.2f} ms, none exposed"
+        syncs = "sync debug mode skipped (CUDA only)"
+    return (
+        f"gradients equal ({how}); {st.offloaded} storages, {st.d2h_bytes:,} B each way, {st.prefetched} prefetched, "
+        f"arena reused; {times}; {syncs}"
+    )
+
+
+def _saved_references(model, batch) -> list[int]:
+    """Bytes of every saved reference of one forward + backward, seen by a pair of hooks that keeps them in place."""
+    seen = []
+
+    def pack(t):
+        seen.append(t.numel() * t.element_size())
+        return t
+
+    forward_backward(model, batch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+    return seen
+
+
+def check_save_on_cpu(probe: Probe) -> str:
+    from trainmech.offload import CountingSaveOnCpu
+
+    model = probe.model()
+    batch = probe.lm_batch()
+    ref = forward_backward(model, batch)
+    hooks = CountingSaveOnCpu(probe.device)
+    ours = forward_backward(model, batch, hooks)
+    st = hooks.read_times()
+    same, how = same_gradients(probe, ours, ref)
+    require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
+    saved = _saved_references(model, batch)
+    require(
+        st.packed == len(saved) and st.d2h_bytes == st.h2d_bytes == sum(saved),
+        f"save_on_cpu counted {st.packed} references, {st.d2h_bytes:,} B; a plain pair of hooks saw "
+        f"{len(saved)}, {sum(saved):,} B",
+    )
+    if probe.cuda:  # its copies run on the compute stream: all of their time is exposed
+        require(
+            st.transfer_time_s is not None
+            and st.transfer_time_s > 0
+            and st.exposed_transfer_time_s == st.transfer_time_s,
+            f"save_on_cpu on CUDA: transfer {st.transfer_time_s} s, exposed {st.exposed_transfer_time_s} s",
+        )
+    else:
+        require(
+            st.transfer_time_s is None and st.exposed_transfer_time_s is None,
+            f"save_on_cpu off CUDA: transfer {st.transfer_time_s} s, exposed {st.exposed_transfer_time_s} s",
+        )
+    return (
+        f"gradients equal ({how}); every one of {len(saved)} saved references moved, {st.d2h_bytes:,} B each way"
+        + (f", {st.transfer_time_s * 1e3:.2f} ms of copies" if probe.cuda else "")
+    )
+
+
+def check_gates(probe: Probe) -> str:
+    from trainmech import candidates, gate_report, gates, tracing
+
+    gw = candidates.gate_workload(
+        probe.model(),
+        rows=4,
+        seq=probe.seq,
+        micro_batches=2,
+        attempts=3,
+        warmup_updates=1,
+        decay_updates=1,
+        dropout=0.1,
+    )
+    reference = gates.make_reference(gw)
+    report = gate_report.judge(
+        candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing),
+        gw,
+        reference,
+        warmup=1,
+        repeats=2,
+    )
+    require(
+        report.failed_gate is None,
+        f"the checkpoint candidate failed the {report.failed_gate} gate: {report.lines()}",
+    )
+    fields, table = (
+        report.record_fields("gpu-check"),
+        gate_report.strategy_table(report.reference_performance, {"checkpoint": report}),
+    )
+    require(
+        fields["conclusion"]["decision"] == report.decision and "checkpoint" in table,
+        "record fields or the strategy table",
+    )
+    p, ref = report.performance, report.reference_performance
+    require(
+        p.tracked_forward_backward_bytes < ref.tracked_forward_backward_bytes
+        and p.bytes_per_row < ref.bytes_per_row,
+        f"checkpointing keeps no less: forward + backward {p.tracked_forward_backward_bytes:,} vs "
+        f"{ref.tracked_forward_backward_bytes:,} B, per sequence {p.bytes_per_row:,} vs {ref.bytes_per_row:,} B",
+    )
+    if probe.cuda:
+        require(
+            report.outcome in gates.OUTCOMES
+            and report.evidence_level == "gpu-measured"
+            and p.on_gpu
+            and p.forward_backward_reserved_bytes
+            and p.cuda_context_bytes is not None
+            and p.bytes_per_row > 0,
+            f"outcome {report.outcome} ({report.evidence_level}): {report.reason}; {p}",
+        )
+        measured = f"outcome {report.outcome} ({report.evidence_level}): {report.reason}"
+    else:  # bitwise on a CPU; and the allocator's bookkeeping with the CPU allocator forced
+        worst = report.verdict("gradients").evidence["window_worst"]
+        require(
+            all(e == 0 for e in worst), f"a CPU replays bitwise, yet the worst errors per window are {worst}"
+        )
+        forced, _ = tracing.remeasure(
+            report.candidate, reference.candidate, gw, warmup=1, repeats=1, allocator="cpu-profiler"
+        )
+        ratio = forced.peak_allocated_bytes / forced.tracked_peak_bytes
+        require(
+            abs(ratio - 1) <= 0.02
+            and forced.peak_reserved_bytes is None
+            and forced.cuda_context_bytes is None,
+            f"CPU allocator / tracked peak {ratio:.3f}, reserved {forced.peak_reserved_bytes}",
+        )
+        measured = f"bitwise over {len(worst)} windows; CPU allocator / tracked update peak {ratio:.3f}"
+    return f"checkpoint candidate passes gates 1-4 (RNG, noise floor), keeps less per sequence; {measured}"
+
+
+def check_strategy_records(probe: Probe) -> str:
+    from trainmech import candidates, gates, strategy_records, tracing
+    from trainmech.ledger.compare import MEASURED_PEAK_WITH
+
+    model = probe.model()
+    batch = probe.lm_batch()
+    gw = candidates.fixed_batch_workload(model, batch, updates=2)
+    baseline = candidates.Candidate("baseline", "TRAIN-CHECKPOINT")
+    base = tracing.run_trace(baseline, gw, keep_weights=True)
+    cand = candidates.candidate("hf-checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing)
+    trace = tracing.run_trace(cand, gw, teacher=base)
+    run = strategy_records.StrategyRun(
+        "hf-checkpoint", "TRAIN-CHECKPOINT", 2, trace, gates.gradients_gate(base, trace, "float32")
+    )
+    require(run.verdict.passed, run.verdict.message)
+    run.performance, run.reference_performance = tracing.remeasure(cand, baseline, gw, warmup=1, repeats=2)
+    fields = run.record_fields("gpu-check")
+    state = gw.fresh_state(baseline)
+    baseline.backward(state, gw.windows[0])
+    baseline.update(state)
+    books = {
+        s: ledger.scenario_ledger(
+            model.config, probe.batch, probe.seq, strategy=s, update="steady", device=probe.device.type
+        )
+        for s in ("baseline", "checkpoint")
+    }
+    steps = [
+        ledger.tracked_step(model, state.optimizer, batch, c)
+        for c in (None, candidates.activation_checkpointing)
+    ]
+    ledger_record = strategy_records.ledger_fields(
+        "hf-checkpoint",
+        books["checkpoint"],
+        steps[1],
+        steps[0],
+        books["baseline"],
+        model=probe.model_name,
+        min_bytes=None,
+    )
+    metrics = ledger_record["metrics"]
+    measured = ledger.Comparison(
+        probe.model_name, probe.batch, probe.seq, "steady", books["checkpoint"], steps[1]
+    )
+    require(
+        metrics["measured_with"] == MEASURED_PEAK_WITH["cuda" if probe.cuda else "cpu"]
+        and (metrics["measured_peak_bytes"], metrics["measured_forward_backward_peak_bytes"])
+        == (measured.measured_peak, measured.measured_forward_backward_peak),
+        f"the state-ledger record's measured fields are not Task4's: {metrics['measured_with']!r}, "
+        f"{metrics['measured_peak_bytes']}, {metrics['measured_forward_backward_peak_bytes']}",
+    )
+    tracked = fields["metrics"]["cpu_tracked_peak_bytes"]
+    if probe.cuda:
+        require(
+            tracked is None
+            and fields["resources"]["peak_reserved_bytes"] is not None
+            and ledger_record["resources"]["peak_allocated_bytes"] is not None,
+            f"record fields on CUDA: {fields['resources']}, ledger record {ledger_record['resources']}",
+        )
+    else:
+        base_tracked = fields["metrics"]["baseline_cpu_tracked_peak_bytes"]
+        require(
+            tracked == run.performance.tracked_peak_bytes and 0 < tracked < base_tracked,
+            f"the record's tracked peak {tracked} (measured {run.performance.tracked_peak_bytes}), baseline {base_tracked}",
+        )
+    return (
+        f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}"
+        + (
+            f"; median x{run.performance.step_time_median_s / run.reference_performance.step_time_median_s:.2f}"
+            if probe.cuda
+            else ""
+        )
+    )
