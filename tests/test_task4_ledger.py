@@ -684,13 +684,23 @@ def test_lifecycles_are_compared_key_by_key_within_the_cuda_tolerance():
     shifted = ledger.Comparison(first.model, 2, 32, "first", moved, first.measured)
     assert sum(moved.crossing_lifecycles().values()) == sum(first.measured_crossing_lifecycles().values())
     assert shifted.lifecycle_differences(ledger.CUDA_LIFECYCLE_TOLERANCE)
-    # a few bytes a CUDA kernel keeps on its own pass the allowance, and nothing else
-    few = ledger.Comparison(first.model, 2, 32, "first", first.predicted, first.measured)
+    # a scalar a CUDA kernel keeps on its own passes the allowance; one int64 element more (an RNG state
+    # weighed wrong, 8 B) does not
     key = next(iter(first.measured_crossing_lifecycles()))
-    few.measured_crossing_lifecycles = lambda: {  # noqa: E731
-        k: v + (8 if k == key else 0) for k, v in first.measured_crossing_lifecycles().items()
-    }
-    assert few.lifecycle_differences() and not few.lifecycle_differences(ledger.CUDA_LIFECYCLE_TOLERANCE)
+
+    def off_by(extra: int) -> ledger.Comparison:
+        c = ledger.Comparison(first.model, 2, 32, "first", first.predicted, first.measured)
+        c.measured_crossing_lifecycles = lambda: {  # noqa: E731
+            k: v + (extra if k == key else 0) for k, v in first.measured_crossing_lifecycles().items()
+        }
+        return c
+
+    slack = ledger.CUDA_SLACK_BYTES_PER_LAYER
+    assert ledger.CUDA_LIFECYCLE_TOLERANCE == (0.0, slack) and slack < 8
+    assert off_by(slack).lifecycle_differences() and not off_by(slack).lifecycle_differences(
+        ledger.CUDA_LIFECYCLE_TOLERANCE
+    )
+    assert off_by(8).lifecycle_differences(ledger.CUDA_LIFECYCLE_TOLERANCE)
 
 
 def test_a_step_measured_by_the_cpu_allocator_takes_the_cuda_side_of_the_comparison():
