@@ -157,3 +157,12 @@ def test_torchrun_runs_the_same_worker(tmp_path):
         [sys.executable, "-m", "trainmech.distributed"], capture_output=True, text=True, timeout=300
     )
     assert alone.returncode == 2 and alone.stderr.count("\n") == 1 and "torchrun" in alone.stderr
+
+
+def test_every_first_dimension_of_the_tiny_model_splits_evenly_over_2_and_4_ranks():
+    # what exercise 4.4's prose says of qwen2-tiny: FSDP2's rows per rank are exact at N = 2 and N = 4
+    from trainmech import profiles, workload
+
+    model = workload.build_model(profiles.for_mode("cpu").model("qwen2-tiny"), seed=0).model
+    assert all(p.shape[0] % 4 == 0 for p in model.parameters())
+    assert any(p.shape[0] % 3 for p in model.parameters())  # and 3 ranks do not (the exercise's case)

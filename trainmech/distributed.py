@@ -765,8 +765,8 @@ def write_records(
                 correctness={
                     "grad_max_abs_error": agreed[key]["grad_abs"],
                     "all_finite": agreed[key]["all_finite"],
-                    "skipped_updates": 0,
-                    "effective_updates": 1,
+                    "skipped_updates": 0,  # every worker runs optimizer.step(): no update is skipped
+                    "effective_updates": int(bool(agreed[key]["all_finite"])),  # applied, and finite
                 },
                 conclusion={
                     "evidence_level": "cpu-mechanism",

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch._guards import active_fake_mode
@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from trainmech.errors import TrainmechError
+from trainmech.ledger.allocator import round_size
 from trainmech.ledger.categories import CATEGORIES
 
 __all__ = [
@@ -165,17 +166,24 @@ class Allocation:
         False  # born while autograd recorded inside a backward node: a checkpoint rebuilding its forward
     )
     address: int = 0  # the storage's data_ptr (matches the CUDA allocator's history)
+    device: str = ""  # the storage's device type ("cpu", "cuda")
 
 
 class StorageTracker(TorchDispatchMode):
     """Live tensor bytes after every birth and release of a storage, with the phase of each event.
 
-    Set `tracker.phase` as the work moves on (hooks do it for a model, see `phase_hooks`).
+    Set `tracker.phase` as the work moves on (hooks do it for a model, see `phase_hooks`). device: count
+    only the storages on this device type ("cuda": device memory); the others (AdamW's step counters on
+    the host under foreach, an SDPA kernel's host-side seed) go to `elsewhere`, with no event of their own.
+    None: every storage counts.
     """
 
-    def __init__(self, phase: str = "start", *, resize_tag: str | None = None):
+    def __init__(self, phase: str = "start", *, resize_tag: str | None = None, device: str | None = None):
         super().__init__()
         self.phase = phase
+        self.device = device
+        self.elsewhere: list[Allocation] = []  # storages on another device: born / died = len(live) then
+        self._elsewhere_alive: dict[int, int] = {}  # id(storage) -> index into elsewhere
         # a storage resized from 0 bytes is born again (FSDP2 frees and re-gathers its unsharded parameters
         # with UntypedStorage.resize_, which no op dispatches): watched while the tracker is active, and
         # labelled resize_tag when given
@@ -209,7 +217,8 @@ class StorageTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
-                if id(s) not in inputs and id(s) not in self._alive and s.nbytes() > 0:
+                known = id(s) in self._alive or id(s) in self._elsewhere_alive
+                if id(s) not in inputs and not known and s.nbytes() > 0:
                     self._born(s, func.__name__)
         if func.namespace in ("c10d", "_c10d_functional"):  # a collective's buffers: communication workspace
             for t in tensors:
@@ -236,6 +245,9 @@ class StorageTracker(TorchDispatchMode):
         return len(self.live) - 1
 
     def _born(self, storage, op: str) -> None:
+        if self.device is not None and storage.device.type != self.device:
+            self._born_elsewhere(storage, op)
+            return
         index = len(self.allocations)
         self.allocations.append(
             Allocation(
@@ -246,11 +258,34 @@ class StorageTracker(TorchDispatchMode):
                 tag=self._tag_births,
                 recomputed=torch.is_grad_enabled() and torch._C._current_autograd_node() is not None,
                 address=storage.data_ptr(),
+                device=storage.device.type,
             )
         )
         self._alive[id(storage)] = index
         self._births.setdefault(id(storage), []).append(index)
         self._finalizers[index] = weakref.finalize(storage, self._released, id(storage), index)
+
+    def _born_elsewhere(self, storage, op: str) -> None:
+        index = len(self.elsewhere)
+        self.elsewhere.append(
+            Allocation(
+                storage.nbytes(),
+                op,
+                len(self.live),
+                self._label(),
+                tag=self._tag_births,
+                address=storage.data_ptr(),
+                device=storage.device.type,
+            )
+        )
+        self._elsewhere_alive[id(storage)] = index
+        self._finalizers[-1 - index] = weakref.finalize(storage, self._released_elsewhere, id(storage), index)
+
+    def _released_elsewhere(self, key: int, index: int) -> None:
+        a = self.elsewhere[index]
+        self._elsewhere_alive.pop(key, None)
+        self._finalizers.pop(-1 - index, None)
+        a.died, a.died_phase = len(self.live), self._label()
 
     def _released(self, key: int, index: int) -> None:
         a = self.allocations[index]
@@ -264,6 +299,9 @@ class StorageTracker(TorchDispatchMode):
             index = self._alive.get(id(t.untyped_storage()))
             if index is not None:
                 self.allocations[index].tag = label
+            index = self._elsewhere_alive.get(id(t.untyped_storage()))
+            if index is not None:
+                self.elsewhere[index].tag = label
 
     def tag_every_birth(self, tensors, label: str) -> None:
         """Label every allocation ever born on these tensors' storages, alive or released since (FSDP2's
@@ -356,7 +394,9 @@ class StepMemory:
 
     `baseline`: bytes alive before the step, by category (parameters; optimizer states after the
     first step). `live[k]`: tracked bytes after event k, baseline excluded. On CUDA the allocator's
-    own peaks come along; off CUDA they are None (unknown, not zero).
+    own peaks come along; off CUDA they are None (unknown, not zero). `device`: the device type whose
+    storages these counts are (None: every storage); the storages elsewhere (the host, on a CUDA step)
+    are in `elsewhere` and `baseline_elsewhere`, outside every count above (`elsewhere_at_end`).
     """
 
     baseline: dict[str, int]
@@ -374,6 +414,19 @@ class StepMemory:
     all_finite: bool | None = (
         None  # the loss and every gradient after the backward finite; None: no gradient left to check
     )
+    device: str | None = None  # the device type counted; None: every storage
+    elsewhere: list[Allocation] = field(default_factory=list)  # storages on another device (no events)
+    baseline_elsewhere: dict[str, int] = field(default_factory=dict)  # their baseline, by category
+    stepped: bool | None = None  # optimizer.step() ran after this backward (None: not recorded)
+
+    def elsewhere_at_end(self) -> dict[str, int]:
+        """Bytes on another device than the counted one when the step ended, by category (baseline
+        included): what a device-memory count leaves out (AdamW's host-side step counters on CUDA)."""
+        out = {c: self.baseline_elsewhere.get(c, 0) for c in MEMORY_CATEGORIES}
+        for a in self.elsewhere:
+            if a.died is None:
+                out[self.category(a)] += a.nbytes
+        return out
 
     @property
     def step_peak_allocated_bytes(self) -> int | None:
@@ -466,11 +519,18 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
 
 
-def _distinct_bytes(tensors) -> int:
+def _distinct_bytes(tensors, device: str | None = None) -> int:
+    """Bytes of the distinct storages of these tensors: on `device` (a device type), or every one (None)."""
     seen = {}
     for t in tensors:
-        seen[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
+        if device is None or t.device.type == device:
+            seen[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+def _elsewhere_bytes(tensors, device: str) -> int:
+    """Bytes of the distinct storages of these tensors that are not on `device`."""
+    return _distinct_bytes(tensors) - _distinct_bytes(tensors, device)
 
 
 def training_step_memory(
@@ -492,9 +552,12 @@ def training_step_memory(
     earlier micro-batch wrote it, or zero_grad(set_to_none=False) kept it) and counts in the baseline.
     Every p.grad is tagged "gradients" after the backward, every optimizer state tensor
     "optimizer_states" after the update. An optimizer with a `watch(tracker)` method (an update that
-    runs inside the backward, `trainmech.optimizers.OptimizerInBackward`) tags its own. The allocator's
-    peaks are read as well: on CUDA by default; `allocator="cpu-profiler"` reads the CPU allocator's
-    instead (see `allocator_window`), so the same bookkeeping runs on a CPU.
+    runs inside the backward, `trainmech.optimizers.OptimizerInBackward`) tags its own. The counts are
+    the storages on the model's device; the others (the host, on a CUDA step) are kept apart
+    (`StepMemory.elsewhere_at_end`). The allocator's peaks are read as well: on CUDA by default;
+    `allocator="cpu-profiler"` reads the CPU allocator's instead (see `allocator_window`), so the same
+    bookkeeping runs on a CPU. The forward+backward allocator peak is read before the finiteness check,
+    which makes one scalar per gradient (`_finite`) and no tracked storage.
     """
     params = list(model.parameters())
     have = [p.grad is not None for p in params]
@@ -507,10 +570,14 @@ def training_step_memory(
             "training_step_memory needs p.grad = None before the step (zero_grad(set_to_none=True))"
         )
     device = params[0].device
-    baseline = {
-        "parameters": _distinct_bytes(params),
-        "optimizer_states": _distinct_bytes(_state_tensors(optimizer)),
-        "gradients": _distinct_bytes([p.grad for p in params]) if grads_at_start else 0,
+    before = {
+        "parameters": params,
+        "optimizer_states": _state_tensors(optimizer),
+        "gradients": [p.grad for p in params] if grads_at_start else [],
+    }
+    baseline = {category: _distinct_bytes(tensors, device.type) for category, tensors in before.items()}
+    baseline_elsewhere = {
+        category: _elsewhere_bytes(tensors, device.type) for category, tensors in before.items()
     }
     if allocator is None:
         allocator = "cuda" if device.type == "cuda" else None
@@ -519,7 +586,7 @@ def training_step_memory(
         if allocator
         else contextlib.nullcontext(None)
     )
-    tracker = StorageTracker()
+    tracker = StorageTracker(device=device.type)
     handles = phase_hooks(model, tracker)
     if hasattr(optimizer, "watch"):
         handles.append(optimizer.watch(tracker))
@@ -534,11 +601,11 @@ def training_step_memory(
             loss.backward()
             loss_value = float(loss.detach())  # a view and a Python number: no storage for the tracker
             del loss
+            forward_backward = cuda_peaks(device)["peak_allocated_bytes"] if allocator == "cuda" else None
             grads = [p.grad for p in params if p.grad is not None]
             tracker.tag(grads, "gradients")
             finite = _finite(loss_value, grads)
             del grads  # zero_grad must be able to release them
-            forward_backward = cuda_peaks(device)["peak_allocated_bytes"] if allocator == "cuda" else None
             if update:
                 tracker.phase = "optimizer"
                 optimizer.step()
@@ -548,8 +615,16 @@ def training_step_memory(
     finally:
         for h in handles:
             h.remove()
+    apart = {
+        "device": device.type,
+        "elsewhere": tracker.elsewhere,
+        "baseline_elsewhere": baseline_elsewhere,
+        "stepped": update,
+    }
     if seen is None:
-        return StepMemory(baseline, tracker.allocations, tracker.live, tracker.phases, all_finite=finite)
+        return StepMemory(
+            baseline, tracker.allocations, tracker.live, tracker.phases, all_finite=finite, **apart
+        )
     outside = seen.start_bytes - sum(baseline.values())  # what else was allocated: the batch, other tensors
     return StepMemory(
         baseline,
@@ -561,19 +636,27 @@ def training_step_memory(
         outside,
         None if forward_backward is None else forward_backward - outside,
         finite,
+        **apart,
     )
 
 
 def _finite(loss: float, grads: list[torch.Tensor]) -> bool | None:
-    """The loss and every gradient finite (the check runs outside any dispatch mode: no tracked storage);
-    None when no gradient is left to check (an update inside the backward consumed them)."""
+    """The loss and every gradient finite; None when no gradient is left to check (an update inside the
+    backward consumed them). The gradients' inf-norm, max |g| (`torch.nn.utils.get_total_norm`, fused per
+    device and dtype on CUDA): one scalar per gradient, no temporary of a gradient's size, and an inf or a
+    NaN anywhere makes it non-finite. It runs outside every dispatch mode, so no tracked storage; on CUDA
+    its scalars are in the allocator's history, after the backward's peak was read (`_history_from_snapshot`
+    names them by the Python frame that made them)."""
     if not grads:
         return None
     with _disable_current_modes():
-        return math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)
+        return math.isfinite(loss) and bool(
+            torch.isfinite(torch.nn.utils.get_total_norm(grads, float("inf")))
+        )
 
 
 ALLOCATOR_ONLY = "allocator only"  # a history block no tensor state explains
+FINITENESS_CHECK = "finiteness check"  # a history block `_finite` allocated (one scalar per gradient)
 
 
 @dataclass
@@ -583,7 +666,7 @@ class HistoryBlock:
     nbytes: int
     born: int  # index of its alloc event
     died: int | None  # index of its free event; None: alive at the end
-    category: str  # one of CATEGORIES, or ALLOCATOR_ONLY (no tensor state: cuBLAS workspace, kernel scratch)
+    category: str  # one of CATEGORIES, ALLOCATOR_ONLY (no tensor state: kernel scratch) or FINITENESS_CHECK
     phase: str  # the phase it was born in ("" when unknown)
     address: int = 0  # the allocator's address (CUDA history)
 
@@ -606,15 +689,25 @@ class MemoryHistory(dict):
         self.events = 0
 
     def labelled(self, steps: list[StepMemory]) -> MemoryHistory:
-        """Name each allocator block after the tracked storage born at the same address in the same order
-        (category and phase); a block no tensor matches is "allocator only". Returns self."""
-        births = [(a.address, step.category(a), a.born_phase) for step in steps for a in step.allocations]
+        """Name each allocator block after the tracked storage born at the same address, with the same
+        size rounded as the caching allocator rounds it, in the same order (category and phase); a block
+        no tensor matches is "allocator only", one the finiteness check made stays FINITENESS_CHECK.
+        Address and size together: the allocator reuses a freed address at once, so an untracked block
+        of another size there must not take the next tensor's label. Returns self."""
+        births = [
+            (a.address, round_size(a.nbytes), step.category(a), a.born_phase)
+            for step in steps
+            for a in step.allocations
+        ]
         k = 0
         for block in self.blocks:
+            if block.category == FINITENESS_CHECK:
+                continue
             block.category, block.phase = ALLOCATOR_ONLY, ""
+            key = (block.address, round_size(block.nbytes))
             for j in range(k, min(k + 64, len(births))):  # internal allocations interleave, never reorder
-                if births[j][0] == block.address:
-                    block.category, block.phase = births[j][1], births[j][2]
+                if births[j][:2] == key:
+                    block.category, block.phase = births[j][2], births[j][3]
                     k = j + 1
                     break
         return self
@@ -635,10 +728,13 @@ class MemoryHistory(dict):
                 "the CPU history cannot show allocator-only blocks"
             )
         only = self.allocator_only()
+        checks = [b for b in self.blocks if b.category == FINITENESS_CHECK]
         return head + (
             f"\n{self.get('alive_at_start_blocks', 0):,} blocks ({self.get('alive_at_start_bytes', 0):,} bytes) were "
             "alive when the recording began (the baseline: parameters, the batch, the warm-up's cuBLAS workspaces): "
-            f"not drawn\n{len(only)} blocks ({sum(b.nbytes for b in only):,} bytes) no tensor state explains "
+            f"not drawn\n{len(checks)} blocks ({sum(b.nbytes for b in checks):,} bytes) of the finiteness check "
+            "(one scalar per gradient, after the backward's allocator peak was read)"
+            f"\n{len(only)} blocks ({sum(b.nbytes for b in only):,} bytes) no tensor state explains "
             "(kernels' scratch buffers)"
         )
 
@@ -660,6 +756,13 @@ def history_from_tracker(steps: list[StepMemory]) -> MemoryHistory:
     return history
 
 
+def _is_finiteness_check(frame: dict) -> bool:
+    """A snapshot frame of `_finite` in this module (a Python frame: stacks="python")."""
+    return frame.get("name") == _finite.__name__ and str(frame.get("filename", "")).endswith(
+        ("trainmech/measure.py", "trainmech\\measure.py")
+    )
+
+
 def _history_from_snapshot(snapshot: dict, index: int) -> MemoryHistory:
     """A MemoryHistory from torch.cuda.memory._snapshot()'s trace of one device. A block freed with no
     alloc event in the trace, or still allocated in a segment without one, was alive when the recording
@@ -672,7 +775,9 @@ def _history_from_snapshot(snapshot: dict, index: int) -> MemoryHistory:
     for e in trace:
         action, address = e.get("action"), int(e.get("addr", 0))
         if action == "alloc":
-            block = HistoryBlock(int(e.get("size", 0)), history.events, None, "", "", address)
+            made_by_check = any(_is_finiteness_check(frame) for frame in e.get("frames", []))
+            category = FINITENESS_CHECK if made_by_check else ""
+            block = HistoryBlock(int(e.get("size", 0)), history.events, None, category, "", address)
             live[address] = block
             seen.add(address)
             history.blocks.append(block)

@@ -30,7 +30,14 @@ from trainmech.ledger.clock import (
 from trainmech.ledger.inventory import DEVICES, attention_kernel
 from trainmech.ledger.recipes import recipe
 from trainmech.ledger.shape import model_shape
-from trainmech.ledger.states import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS, Setup, step_states
+from trainmech.ledger.states import (
+    CHECKPOINTING,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    Setup,
+    layer_rows,
+    step_states,
+)
 
 __all__ = ["Peak", "Ledger", "training_state_lifecycle"]
 
@@ -66,6 +73,11 @@ class Ledger:
     device = property(lambda self: self.setup.device)
     first_step = property(lambda self: self.setup.first_step)
     attention = property(lambda self: self.setup.kernel)  # the SDPA kernel the ledger assumed
+
+    def layer_saved(self) -> list:
+        """What one decoder layer saves for its backward in this step (`ledger.layer_saved` with this step's
+        recipe, kernel, device, mask and RNG weighing): the rows behind every layer's saved states."""
+        return layer_rows(self.setup)
 
     def live(self) -> list[tuple[str, dict[str, int]]]:
         """(tick, bytes alive by category) for every tick of the step."""
@@ -244,12 +256,16 @@ class Ledger:
             "micro_batches": s.micro_batches,
             "micro_batch": s.micro_batch,
             "set_to_none": s.set_to_none,
+            "weigh_rng": s.weigh_rng,
+            "repeat_kv": s.repeat_kv,
         } | change
 
     def to_json(self) -> dict[str, Any]:
         peak, fwd_bwd = self.peak_overlap(), self.forward_backward_peak()
         s, options = self.setup, self.options()
         first_step = options.pop("first_step")
+        for how_measured in ("weigh_rng", "repeat_kv"):  # not the calculator's options
+            options.pop(how_measured)
         return (
             {
                 "config": s.shape.name,
@@ -312,6 +328,8 @@ def training_state_lifecycle(
     micro_batch: int | None = None,
     set_to_none: bool = True,
     gradient_buffers: bool = False,
+    weigh_rng: bool = False,
+    repeat_kv: bool | None = None,
 ) -> Ledger:
     """The ledger of one training step: every state, its bytes and its lifecycle.
 
@@ -327,7 +345,10 @@ def training_state_lifecycle(
     the last, the one that updates) of its window, and from the second on .grad exists before it starts.
     set_to_none=False: zero_grad zeroes the gradients in place instead of releasing them. gradient_buffers:
     .grad lives in buffers allocated once and kept (DDP's buckets with gradient_as_bucket_view): alive
-    before and after every step, each new gradient copied in.
+    before and after every step, each new gradient copied in. weigh_rng: the SDPA kernel's RNG state is
+    weighed on this process's GPU (a CUDA run's own point; default: torch's meta kernel, the same on every
+    machine). repeat_kv: K and V repeated to every head before SDPA (default: with padding, as transformers
+    does; True without: a torch whose kernel refuses enable_gqa, where they must be repeated to run it).
     """
     shape = model_shape(config)
     b, s = _check_size("batch", batch), _check_size("seq", seq)
@@ -363,6 +384,8 @@ def training_state_lifecycle(
         k,
         bool(set_to_none),
         bool(gradient_buffers),
+        bool(weigh_rng),
+        bool(padded if repeat_kv is None else repeat_kv),
     )
     states = step_states(setup)
     updated = {st.created.removesuffix(UPDATE_SUFFIX) for st in states if st.created.endswith(UPDATE_SUFFIX)}

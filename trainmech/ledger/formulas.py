@@ -57,23 +57,42 @@ def zero_communication_volume(n_params: float, stage: int) -> float:
 def korthikanti_differences(shape, batch: int, seq: int, inventory) -> dict[str, int]:
     """Where a Qwen2 layer (16-bit activations) differs from Korthikanti's GPT layer, sbh(34 + 5as/h), as five
     named terms in bytes (positive: Qwen2 keeps more). shape: a ledger ModelShape; inventory: the layer's
-    saved tensors (`ledger.layer_saved`, 16-bit, the kernel that runs), from which the SDPA term takes what
-    the kernel keeps besides q, k, v and its output (the fp32 logsumexp, RNG state, or math's s×s).
+    saved tensors (`ledger.layer_saved`, 16-bit, the kernel that runs), from whose rows every term is read:
+    the norms' fp32 input, rsqrt and normalised x; K and V as that kernel keeps them (at kv_heads, or
+    repeated to every head: math, a mask, a kernel refusing enable_gqa); what the kernel keeps besides q,
+    k, v and its output (the fp32 logsumexp, RNG state, math's s×s probabilities, a mask's bias); the
+    MLP's four tensors of width I.
 
-    The terms are arithmetic: the formula plus their sum is this inventory's total by construction (the
-    other rows, Q, the projections' inputs and the norms' outputs, are the same on both sides), so the
-    check of the decomposition is the measured layer against the inventory, not this sum.
+    The terms are arithmetic: the rows left over (Q, the attention output o_proj reads, the two norms'
+    outputs the projections read) are the formula's 8sbh, so the formula plus the five terms is the
+    inventory's total for every kernel, with or without a mask (refused otherwise). The check of the
+    decomposition is the measured layer against the inventory, not this sum.
     """
     s, b, h, a = seq, batch, shape.hidden_size, shape.num_heads  # the paper's symbols
-    kv, inner = shape.num_kv_heads * shape.head_dim, shape.intermediate_size
-    kernel = sum(t.nbytes for t in inventory if any(k in t.name for k in ("logsumexp", "rng", "probs")))
+    groups = {"norms": 0, "kv": 0, "kernel": 0, "mlp": 0, "rest": 0}
+    for t in inventory:
+        name = t.name
+        if name.startswith(("input_layernorm.", "post_attention_layernorm.")) and not name.endswith(".out"):
+            groups["norms"] += t.nbytes
+        elif name.startswith(("self_attn.k_", "self_attn.v")):
+            groups["kv"] += t.nbytes
+        elif any(k in name for k in ("logsumexp", "rng", "probs", "mask_bias")):
+            groups["kernel"] += t.nbytes
+        elif name.startswith("mlp."):
+            groups["mlp"] += t.nbytes
+        else:
+            groups["rest"] += t.nbytes
+    if groups["rest"] != 4 * 2 * s * b * h:
+        raise TrainmechError(
+            f"korthikanti_differences reads a 16-bit layer's inventory: Q, the attention output and the norms' "
+            f"outputs should be 8sbh = {8 * s * b * h:,} bytes, got {groups['rest']:,}"
+        )
     return {
-        "RMSNorm (fp32 input, rsqrt, normed)": 2 * (4 * s * b * h + 4 * s * b + 2 * s * b * h)
-        - 4 * s * b * h,
-        "grouped-query attention (K, V)": 4 * s * b * kv - 4 * s * b * h,
+        "RMSNorm (fp32 input, rsqrt, normed)": groups["norms"] - 4 * s * b * h,
+        "grouped-query attention (K, V)": groups["kv"] - 4 * s * b * h,
         "no dropout (masks, dropout output)": -(2 * s * b * h + 3 * a * s * s * b),
-        "SDPA kernel (what it keeps, no softmax output)": kernel - 2 * a * s * s * b,
-        "SwiGLU (4 tensors of width I)": 8 * s * b * inner - 16 * s * b * h,
+        "SDPA kernel (what it keeps, no softmax output)": groups["kernel"] - 2 * a * s * s * b,
+        "SwiGLU (4 tensors of width I)": groups["mlp"] - 16 * s * b * h,
     }
 
 

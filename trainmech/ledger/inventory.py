@@ -10,9 +10,10 @@ the torch and cuDNN versions. Two answers, never mixed up:
 - `kernel_of_ops`: the kernel a run really dispatched, read from the ATen ops a tracked forward
   created its storages with (`trainmech.ledger.compare.measure_point` predicts with that one).
 
-The RNG state an SDPA kernel keeps (`rng_state_saved`) is measured on the GPU when there is one:
-the kernel's own op runs once on small tensors and its seed and offset outputs are weighed;
-without a GPU the shapes come from torch's meta kernels, where on the device they live the rule says.
+The RNG state an SDPA kernel keeps (`rng_state_saved`) is weighed on the GPU only when the caller
+measures there (`weigh=True`: a CUDA run's own points): the kernel's op runs once on small tensors and
+its seed and offset outputs are weighed. Otherwise (paper calculations, on any machine) the shapes come
+from torch's meta kernels, and where they live is the rule's: the same bytes on every machine.
 """
 
 from __future__ import annotations
@@ -148,37 +149,33 @@ def _sdpa_op(kernel: str, q):
 
 
 @functools.lru_cache(maxsize=None)
-def _rng_outputs(kernel: str, measure_on_gpu: bool) -> tuple[tuple[tuple[int, ...], int, bool], ...]:
-    """(shape, element bytes, on the device) of the seed and offset `kernel` returns: measured by running
-    its op on the GPU (measure_on_gpu), else from torch's meta kernel and the rule for where they live.
-    () when the op cannot run here (a kernel this GPU or torch lacks is never dispatched either)."""
+def _rng_outputs(kernel: str, weigh: bool) -> tuple[tuple[tuple[int, ...], int, bool], ...]:
+    """(shape, element bytes, on the device) of the seed and offset `kernel` returns: weighed by running
+    its op on this process's GPU (weigh), else from torch's meta kernel and the rule for where they live.
+    A probe that fails raises: the kernel is one a run dispatched, or one a paper calculation names, and
+    a silent () would drop its RNG rows from the inventory."""
     import torch
 
     positions, on_device = RNG_OUTPUTS[kernel]
-    try:
-        if measure_on_gpu:  # (batch, seq, heads, dim) transposed: the layout transformers hands SDPA
-            q = torch.zeros(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        else:
-            q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16)
-        out = _sdpa_op(kernel, q)
-    except Exception:  # noqa: BLE001  this torch / GPU has no such kernel
-        return ()
+    if weigh:  # (batch, seq, heads, dim) transposed: the layout transformers hands SDPA
+        q = torch.zeros(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16)
+    out = _sdpa_op(kernel, q)
     kept = [out[k] for k in positions if isinstance(out[k], torch.Tensor)]
     return tuple(
-        (tuple(t.shape), t.element_size(), t.device.type == "cuda" if measure_on_gpu else on_device)
-        for t in kept
+        (tuple(t.shape), t.element_size(), t.device.type == "cuda" if weigh else on_device) for t in kept
     )
 
 
-def rng_state_saved(kernel: str, device: str) -> list[SavedTensor]:
+def rng_state_saved(kernel: str, device: str, *, weigh: bool = False) -> list[SavedTensor]:
     """The RNG state one SDPA call keeps on the device for its backward. CPU: none (its kernels return
     output and logsumexp only); math: none without dropout. CUDA: the seed and offset of the fused
-    kernel that stay on the device, weighed on this machine's GPU when it has one (`_rng_outputs`)."""
+    kernel that stay on the device (`_rng_outputs`): weighed on this process's GPU when `weigh` (the
+    caller measures there), else the meta kernel's shapes, whatever GPU the machine has."""
     if device != "cuda" or kernel not in RNG_OUTPUTS:
         return []
-    import torch
-
-    outputs = _rng_outputs(kernel, torch.cuda.is_available())
+    outputs = _rng_outputs(kernel, bool(weigh))
     names = ("self_attn.sdpa_rng_seed", "self_attn.sdpa_rng_offset")
     return [
         SavedTensor(name, shape, element_bytes, "attention")
@@ -188,7 +185,16 @@ def rng_state_saved(kernel: str, device: str) -> list[SavedTensor]:
 
 
 def attention_saved(
-    shape: ModelShape, b: int, s: int, element_bytes: int, kernel: str, padded: bool, device: str = "cpu"
+    shape: ModelShape,
+    b: int,
+    s: int,
+    element_bytes: int,
+    kernel: str,
+    padded: bool,
+    device: str = "cpu",
+    *,
+    weigh_rng: bool = False,
+    repeat_kv: bool | None = None,
 ) -> list[SavedTensor]:
     """What SDPA keeps (and, with a mask, transformers' repeated K and V).
 
@@ -201,7 +207,9 @@ def attention_saved(
     to every head, v repeated, the s×s softmax probabilities, and the output copy o_proj reads; its v
     and output copy are consumed (o_proj's and probs @ v's backward) before its softmax backward, the
     `attention` moment, so they are released at the layer's `mlp` moment. On CUDA the flash and cuDNN
-    kernels also keep their RNG seed and offset (`rng_state_saved`).
+    kernels also keep their RNG seed and offset (`rng_state_saved`, weighed on the GPU with weigh_rng).
+    repeat_kv: K and V repeated to every head before SDPA (default: with a mask, as transformers does;
+    True without one: a torch whose kernel refuses enable_gqa needs them repeated to run it).
     """
     heads, kv_heads, d, act = shape.num_heads, shape.num_kv_heads, shape.head_dim, element_bytes
     if kernel == "math":
@@ -213,16 +221,17 @@ def attention_saved(
             SavedTensor("self_attn.attn_out", (b, s, heads * d), act, "mlp"),
         ]  # o_proj's input
     rows = -(-s // 32) * 32 if kernel == "efficient" else s
-    kv_kept = heads if padded else kv_heads  # a mask: transformers' repeat_kv copies K and V to every head
+    repeated = padded if repeat_kv is None else repeat_kv  # a mask: transformers' repeat_kv copies K and V
+    kv_kept = heads if repeated else kv_heads
     out = [
         SavedTensor(
             "self_attn.q_rope", (b, heads, s, d), act, "attention"
         ),  # q after RoPE, read by SDPA's backward
         SavedTensor(
-            "self_attn.k_repeated" if padded else "self_attn.k_rope", (b, kv_kept, s, d), act, "attention"
+            "self_attn.k_repeated" if repeated else "self_attn.k_rope", (b, kv_kept, s, d), act, "attention"
         ),
         SavedTensor(
-            "self_attn.v_repeated" if padded else "self_attn.v", (b, kv_kept, s, d), act, "attention"
+            "self_attn.v_repeated" if repeated else "self_attn.v", (b, kv_kept, s, d), act, "attention"
         ),
     ]
     if padded:
@@ -233,7 +242,7 @@ def attention_saved(
     return out + [
         SavedTensor("self_attn.sdpa_out", (b, s, heads * d), act, "attention"),  # also o_proj's input
         SavedTensor("self_attn.sdpa_logsumexp", (b, heads, rows), FP32_BYTES, "attention"),  # instead of s×s
-        *rng_state_saved(kernel, device),
+        *rng_state_saved(kernel, device, weigh=weigh_rng),
     ]
 
 
@@ -272,10 +281,14 @@ def layer_saved(
     *,
     device: str = "cpu",
     padded: bool = False,
+    weigh_rng: bool = False,
+    repeat_kv: bool | None = None,
 ) -> list[SavedTensor]:
     """The tensors autograd keeps for one decoder layer's backward (transformers Qwen2/Llama, SDPA attention).
 
-    kernel "auto": the one `attention_kernel` picks for this device, recipe and mask. In fp32 the
+    kernel "auto": the one `attention_kernel` picks for this device, recipe and mask. weigh_rng: weigh the
+    fused kernel's RNG state on this process's GPU (a CUDA run's own point), else torch's meta kernel
+    gives it. repeat_kv: see `attention_saved` (default: with the mask). In fp32 the
     input_layernorm's x is the layer input itself (created by the layer before); with 16-bit
     activations both norms keep an fp32 upcast copy of their input instead; under autocast the
     residual stream stays fp32 and the projections keep 16-bit copies (`_autocast_copies`).
@@ -287,8 +300,9 @@ def layer_saved(
             "the ledger does not model SDPA's math kernel under autocast (it runs flash or efficient there)"
         )
     b, s, h, inner, act = batch, seq, shape.hidden_size, shape.intermediate_size, dtypes.activation_bytes
+    extra = {"weigh_rng": weigh_rng, "repeat_kv": repeat_kv}
     if dtypes.autocast:  # the residual stream and the norms stay fp32; matmuls read 16-bit copies
-        attention = attention_saved(shape, b, s, act, kernel, padded, device)
+        attention = attention_saved(shape, b, s, act, kernel, padded, device, **extra)
         copies = _autocast_copies(shape, b, s, act)
         return [
             *norm_saved(
@@ -309,7 +323,7 @@ def layer_saved(
     sixteen = dtypes.sixteen_bit
     return [
         *norm_saved("input_layernorm", b, s, h, act, "input_layernorm", own_input=sixteen),
-        *attention_saved(shape, b, s, act, kernel, padded, device),
+        *attention_saved(shape, b, s, act, kernel, padded, device, **extra),
         *norm_saved(
             "post_attention_layernorm", b, s, h, act, "mlp", own_input=True
         ),  # fp32: the residual x + attn

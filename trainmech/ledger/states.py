@@ -23,6 +23,7 @@ __all__ = [
     "CHECKPOINTING",
     "GRADS_AT",
     "Setup",
+    "layer_rows",
     "step_states",
     "model_states",
     "forward_states",
@@ -63,6 +64,10 @@ class Setup:
     gradient_buffers: bool = (
         False  # .grad lives in buffers that outlive every step (DDP's buckets, gradient_as_bucket_view)
     )
+    weigh_rng: bool = False  # the SDPA kernel's RNG state weighed on this process's GPU (a CUDA run's point)
+    repeat_kv: bool = (
+        False  # K and V repeated to every head before SDPA (a mask; or a kernel refusing enable_gqa)
+    )
 
     @property
     def dtypes(self) -> Recipe:
@@ -81,6 +86,21 @@ class Setup:
             or self.micro_batch > 1
             or (not self.set_to_none and not self.first_step and not self.in_backward)
         )
+
+
+def layer_rows(setup: Setup) -> list[SavedTensor]:
+    """One decoder layer's saved-tensor inventory in this step's setup (`inventory.layer_saved`)."""
+    return layer_saved(
+        setup.shape,
+        setup.batch,
+        setup.seq,
+        setup.recipe,
+        setup.kernel,
+        device=setup.device,
+        padded=setup.padded,
+        weigh_rng=setup.weigh_rng,
+        repeat_kv=setup.repeat_kv,
+    )
 
 
 def step_states(setup: Setup) -> list[State]:
@@ -149,7 +169,7 @@ def forward_states(setup: Setup) -> list[State]:
         out.append(
             State("embed.out", "unsaved_activations", b * s * h * act, "forward.embed", "forward.head:norm")
         )
-    rows = layer_saved(shape, b, s, setup.recipe, setup.kernel, device=setup.device, padded=setup.padded)
+    rows = layer_rows(setup)
     bias_copies = (
         2 * (shape.num_heads + 2 * shape.num_kv_heads) * d * act if dtypes.autocast and shape.qkv_bias else 0
     )
@@ -314,7 +334,7 @@ def backward_states(setup: Setup) -> list[State]:
     tied = shape.tie_word_embeddings
     # SDPA's backward: flash holds the output's grad and dq, dk, dv; math, at its softmax backward,
     # holds two s×s grads (of the probabilities and of the scores) and the grad of the repeated v
-    d_sdpa = b * s * (2 * q + 2 * kv) * act
+    d_sdpa = b * s * (2 * q + 2 * (q if setup.repeat_kv else kv)) * act  # repeated: dk, dv at every head
     if setup.kernel == "math":
         d_sdpa = (2 * b * shape.num_heads * s * s + b * s * q) * act
     out = [
