@@ -240,10 +240,10 @@ NOTEBOOK_CELLS = {
     "Task3:record-amp": "prints FP16 vs FP32 peak and median",
     "Task3:trainer-count": "TrainingArguments(use_cpu=False): the Trainer counts num_items_in_batch on the GPU",
     "Task3:resume-check": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
-    "Task4:imports-setup": "ledger.CUDA_POINTS instead of the CPU points; BYTE_TOLERANCE 1 % instead of byte for byte",
+    "Task4:imports-setup": "ledger.CUDA_POINTS instead of the CPU points; SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer instead of byte for byte",
     "Task4:lifecycle-vs-measured": "lifecycles key by key within ledger.CUDA_LIFECYCLE_TOLERANCE instead of byte for byte",
     "Task4:cuda-allocator-peaks": "ledger.allocated_reserved on the GPU's own counters: the allocator model's allocated peak "
-    "within 5 %, reserved beside it, the warm-up's measured cuBLAS workspaces, the allocator history (CPU: the profiler's "
+    "within 5 %, reserved beside it, the warm-up's cuBLAS workspaces measured and claimed > 0, the allocator history (CPU: the profiler's "
     "allocator against the tracked tensors)",
     "Task4:record-state-ledger": "the record's fields from ledger.record_fields (CUDA: the step's own allocator peaks, "
     "the allocator's forward+backward peak)",
@@ -288,11 +288,11 @@ KERNEL_CHOICE_CELLS = {
     ),
     "Task4:measure-first-steady": (
         "the kernel the forward dispatched beside the rule's (claimed equal on a CPU only); per-layer saved bytes "
-        "against the dispatched kernel's inventory within BYTE_TOLERANCE",
+        "against the dispatched kernel's inventory within SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer",
         None,
     ),
     "Task4:bf16-layer-saved": (
-        "bf16 per-layer saved bytes against the dispatched kernel's inventory within BYTE_TOLERANCE; its SDPA term "
+        "bf16 per-layer saved bytes against the dispatched kernel's inventory within SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer; its SDPA term "
         "carries the RNG seed and offset weighed on this GPU (ledger.rng_state_saved)",
         None,
     ),
