@@ -180,7 +180,10 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     assert full.replayed_ops == full.recomputed_ops and full.read_from_cache_ops == 0
     # selective keeps down_proj's output too, but the stop comes before it: kept, never read from the cache
     assert selective.kept_unread_ops == LAYERS
-    assert selective.read_from_cache_ops + selective.recomputed_ops + selective.skipped_ops == selective.forward_ops
+    assert (
+        selective.read_from_cache_ops + selective.recomputed_ops + selective.skipped_ops
+        == selective.forward_ops
+    )
 
 
 def test_recompute_count_finds_a_replay_that_is_not_the_forwards_prefix():
