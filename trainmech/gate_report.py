@@ -279,6 +279,7 @@ def judge(
         verdicts.append(performance_verdict(perf, ref_perf))
     outcome, reason = decide(verdicts, perf, ref_perf)
     trace.grads = []  # kept only as long as gate 2 needs them (a GPU model's gradients are gigabytes per window)
+    trace.rescaled = {k: (scale, {}) for k, (scale, _) in trace.rescaled.items()}  # … the scales stay
     return Report(
         cand,
         verdicts,

@@ -690,10 +690,13 @@ def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | N
     window = clean[max(warmup, 1) % len(clean)]
     source = _allocator(gw.device, allocator)
     out = dict.fromkeys(ALLOCATOR_FIELDS)
-    if source:
-        out |= _allocator_peaks(cand, state, window, gw.device, source)
-    out |= _tracked_peaks(cand, state, window)
-    out["bytes_per_row"] = _bytes_per_row(cand, state, window[0], gw.device, source)
+    try:
+        if source:
+            out |= _allocator_peaks(cand, state, window, gw.device, source)
+        out |= _tracked_peaks(cand, state, window)
+        out["bytes_per_row"] = _bytes_per_row(cand, state, window[0], gw.device, source)
+    finally:
+        state.close()
     return out
 
 
@@ -772,18 +775,23 @@ def remeasure(
         states = {id(c): gw.fresh_state(c, init_scale=scales[id(c)]) for c in (cand, reference)}
         clean = gw.clean
         order = [(cand, reference), (reference, cand)]
-        for i in range(warmup):
+        try:
+            for i in range(warmup):
+                for c in (cand, reference):
+                    _one_update(c, states[id(c)], clean[i % len(clean)])
             for c in (cand, reference):
-                _one_update(c, states[id(c)], clean[i % len(clean)])
-        for c in (cand, reference):
-            _transfer(c, 0)  # forget the warm-up's offload runs
-        seconds = {id(cand): [], id(reference): []}
-        for i in progress(range(repeats), desc=f"timing {cand.name} beside {reference.name}", unit="round"):
-            for c in order[i % 2]:
-                window = clean[(warmup + i) % len(clean)]
-                seconds[id(c)].append(timed(partial(_one_update, c, states[id(c)], window), gw.device)[1])
-        for c in (cand, reference):
-            states[id(c)].optimizer.zero_grad(set_to_none=True)
+                _transfer(c, 0)  # forget the warm-up's offload runs
+            seconds = {id(cand): [], id(reference): []}
+            for i in progress(
+                range(repeats), desc=f"timing {cand.name} beside {reference.name}", unit="round"
+            ):
+                for c in order[i % 2]:
+                    window = clean[(warmup + i) % len(clean)]
+                    seconds[id(c)].append(timed(partial(_one_update, c, states[id(c)], window), gw.device)[1])
+        finally:
+            for c in (cand, reference):
+                states[id(c)].optimizer.zero_grad(set_to_none=True)
+                states[id(c)].close()
     out = []
     for c in (cand, reference):
         exposed, transfer = _transfer(c, repeats)
