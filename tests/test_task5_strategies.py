@@ -173,8 +173,26 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     assert not {op.__name__ for op in C.MATMUL_OPS} & set(selective.recomputed_by_op)
     assert {"mm.default", "addmm.default"} & set(full.recomputed_by_op)
     assert 0 < selective.recomputed_ops < full.recomputed_ops
-    # every forward op is kept, recomputed or skipped by the early stop
-    assert full.skipped_ops == full.forward_ops - full.recomputed_ops > 0 and selective.skipped_ops >= 0
+    # the recompute replays each region's forward in order up to its early stop, counted op by op: the same stop
+    # (down_proj's input is the last saved tensor: down_proj and the residual add never run again) in both
+    assert full.replays_are_prefixes and selective.replays_are_prefixes
+    assert full.skipped_by_op == selective.skipped_by_op == {"mm.default": LAYERS, "add.Tensor": LAYERS}
+    assert full.replayed_ops == full.recomputed_ops and full.read_from_cache_ops == 0
+    # selective keeps down_proj's output too, but the stop comes before it: kept, never read from the cache
+    assert selective.kept_unread_ops == LAYERS
+    assert (
+        selective.read_from_cache_ops + selective.recomputed_ops + selective.skipped_ops
+        == selective.forward_ops
+    )
+
+
+def test_recompute_count_finds_a_replay_that_is_not_the_forwards_prefix():
+    """The skipped ops are read off the forward after the replay's prefix: a replay in another order is refused."""
+    count = C.RecomputeCount([C.Region(["mm", "silu", "mul", "mm"], ["mm", "silu"], ["silu"])], saved_ops=2)
+    assert count.replays_are_prefixes and count.skipped_by_op == {"mul": 1, "mm": 1}
+    assert (count.read_from_cache_ops, count.kept_unread_ops) == (1, 1)
+    count.regions[0].replayed = ["silu", "mm"]
+    assert not count.replays_are_prefixes
 
 
 def test_selective_checkpoint_with_the_kernel_the_ledger_picks_for_cuda(model, batch, baseline):

@@ -9,12 +9,14 @@ so a candidate differs from the reference only in what it says it changes: strat
 around each micro-batch (activation checkpointing, offload), or the dtype.
 
     cand = candidate("offload", "TRAIN-OFFLOAD", Offloading(min_bytes=…))
-    gw = gate_workload(model, rows=4, seq=32, micro_batches=2, attempts=8, inject_at=(2,), dropout=0.1)
+    gw = gate_workload(model, rows=4, seq=32, micro_batches=2, attempts=8, inject_at=(2,), dropout=0.1,
+                       prompt_only_at=(5,))
 
 The gate workload fixes what every candidate is judged on: the initial weights, the windows
-(rows of unequal length and supervision, so a per-micro-batch mean cannot hide), a held-out
-batch, attempts that receive a non-finite sample, a WSD schedule, the optimizer's kernel (foreach,
-as on CUDA, on every device) and a residual dropout drawn in float32 from the global RNG.
+(rows of unequal length and supervision, so a per-micro-batch mean cannot hide, and micro-batches
+that supervise no token at all), a held-out batch, attempts that receive a non-finite sample, a
+WSD schedule, the optimizer's kernel (foreach, as on CUDA, on every device) and a residual dropout
+drawn in float32 from the global RNG.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from trainmech import amp, checkpointing, supervision, update
 from trainmech.errors import TrainmechError
 from trainmech.offload import activation_offload
 from trainmech.update import wsd_multiplier
-from trainmech.workload import lm_batch, split_micro_batches, supervised_tokens, to_device, uneven_batch
+from trainmech.workload import (
+    IGNORE_INDEX,
+    lm_batch,
+    split_micro_batches,
+    supervised_tokens,
+    to_device,
+    uneven_batch,
+)
 
 __all__ = [
     "MAX_SCALE_HALVINGS",
@@ -65,6 +74,13 @@ class TrainState:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def close(self) -> None:
+        """Take off what the optimizer hooked onto the parameters (an optimizer in the backward: its hooks would
+        step it in every later backward of the same model); a plain optimizer has nothing to take off."""
+        remove = getattr(self.optimizer, "remove", None)
+        if remove is not None:
+            remove()
 
 
 class MicroBatches(list):
@@ -121,6 +137,9 @@ class Candidate:
     backward: Callable[[TrainState, list[dict]], object] = window_backward
     update: Callable[[TrainState], object] = effective_update
     strategies: tuple = ()  # the strategy contexts inside `backward`, when built by `candidate` (their stats are read there)
+    # make_optimizer(params, lr=…, foreach=…) -> a torch.optim.Optimizer (an optimizers.OptimizerInBackward, say);
+    # None: the workload's AdamW
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None
 
     def __post_init__(self):
         try:
@@ -162,10 +181,15 @@ class Offloading:
 
     @contextmanager
     def __call__(self, model: torch.nn.Module) -> Iterator[object]:
+        """One instance around one micro-batch; `finish()` even when the block raised (a CUDA OOM, the candidate's
+        own error): the shared host arena is let go, so the next instance can claim it. Only a run that
+        finished is kept for `collect()`."""
         hooks = self.make(model)
-        with hooks:
-            yield hooks
-        hooks.finish()
+        try:
+            with hooks:
+                yield hooks
+        finally:
+            hooks.finish()
         self.runs.append(hooks)
 
     def collect(self) -> list:
@@ -241,11 +265,13 @@ class GateWorkload:
         return residual_dropout(self.model, self.dropout) if self.dropout else nullcontext()
 
     def fresh_state(self, cand: Candidate, *, init_scale: float | None = None) -> TrainState:
-        """The initial weights, no gradients, a new AdamW, scheduler and GradScaler (init_scale: a calibrated one)."""
+        """The initial weights, no gradients, a new optimizer (AdamW, or the candidate's `optimizer`), scheduler and
+        GradScaler (init_scale: a calibrated one). `TrainState.close()` takes an optimizer's hooks off again."""
         self.model.load_state_dict(self.initial)
         self.model.zero_grad(set_to_none=True)
         self.model.train()
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, foreach=self.foreach)
+        make = cand.optimizer or (lambda params, **kw: torch.optim.AdamW(params, **kw))
+        optimizer = make(self.model.parameters(), lr=self.lr, foreach=self.foreach)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: wsd_multiplier(k, **self.schedule))
         scaler_kwargs = {} if init_scale is None else {"init_scale": init_scale}
         return TrainState(
@@ -272,20 +298,24 @@ def gate_workload(
     seed: int = 0,
     dropout: float = 0.0,
     foreach: bool | None = True,
+    prompt_only_at=(),
 ) -> GateWorkload:
     """Windows of `workload.uneven_batch` rows from successive stretches of the domain text, split into
     micro-batches; a held-out batch of the same shape from the general text; a WSD schedule over
-    the effective updates (attempts minus injected ones)."""
+    the effective updates (attempts minus injected ones). prompt_only_at: attempts whose last micro-batch
+    supervises no token (its labels all IGNORE_INDEX, as a prompt-only stretch of a response-only corpus): a
+    correct update weighs it by its zero tokens; a mean over its own tokens is 0 / 0."""
     device = next(model.parameters()).device
-    windows = [
-        MicroBatches(
-            [
-                to_device(mb, device)
-                for mb in split_micro_batches(uneven_batch(rows, seq, offset=a * rows * seq), micro_batches)
-            ]
-        )
-        for a in range(attempts)
-    ]
+
+    def micro_batches_of(a: int) -> list[dict]:
+        parts = split_micro_batches(uneven_batch(rows, seq, offset=a * rows * seq), micro_batches)
+        if a in prompt_only_at:
+            parts[-1] = {**parts[-1], "labels": torch.full_like(parts[-1]["labels"], IGNORE_INDEX)}
+        return [to_device(mb, device) for mb in parts]
+
+    if micro_batches < 2 and prompt_only_at:
+        raise TrainmechError("a prompt-only micro-batch needs a window of at least two micro-batches")
+    windows = [MicroBatches(micro_batches_of(a)) for a in range(attempts)]
     effective = attempts - len(set(inject_at))
     stable = effective - warmup_updates - decay_updates
     if stable < 0:
@@ -343,27 +373,41 @@ def fixed_batch_workload(
 
 
 def calibrated_scale(cand: Candidate, gw: GateWorkload) -> tuple[float | None, int]:
-    """FP16: the loss scale at which the first clean window's gradients are finite, found as GradScaler
-    finds it (halve on inf / NaN) from `gw.loss_scale_start` (GradScaler's 2**16), before the traced
-    attempts and without any update; (scale, halvings). Other dtypes: (None, 0). With the calibration
-    off (`gw.calibrate_loss_scale`), (the start scale, 0): GradScaler then finds it by skipping updates.
+    """FP16: the largest loss scale, halving from `gw.loss_scale_start` (GradScaler's 2**16) as GradScaler does on an
+    inf / NaN, at which every clean window's gradients from the initial weights are finite — before the traced
+    attempts and without any update; (scale, halvings). A window whose loss itself is not finite is passed over:
+    no scale fixes a forward's NaN (the traced attempts meet it). Other dtypes: (None, 0). With the calibration off
+    (`gw.calibrate_loss_scale`), (the start scale, 0): GradScaler then finds it by skipping updates.
 
-    A correct FP16 candidate may otherwise skip its first updates while the scale comes down, and be
-    rejected for updates it did not make; the halvings are reported beside the gates instead.
+    A correct FP16 candidate may otherwise skip its first updates while the scale comes down, and be rejected for
+    updates it did not make; the halvings are reported beside the gates instead. Every clean window, not the first
+    alone: a scale at the first window's overflow edge would make later windows overflow and skip.
     """
     if cand.precision != "fp16":
         return None, 0
     if not gw.calibrate_loss_scale:
         return gw.loss_scale_start, 0
     state = gw.fresh_state(cand, init_scale=gw.loss_scale_start)
-    for halvings in range(MAX_SCALE_HALVINGS):
-        cand.backward(state, gw.clean[0])
-        state.scaler.unscale_(state.optimizer)
-        before = state.scaler.get_scale()
-        state.scaler.update()  # halves the scale when unscale_ found an inf or NaN
-        state.optimizer.zero_grad(set_to_none=True)
-        if state.scaler.get_scale() >= before:
-            return before, halvings
-    raise TrainmechError(
-        f"candidate {cand.name}: no loss scale down to 2**{16 - MAX_SCALE_HALVINGS} gives finite gradients"
-    )
+    try:
+        halvings, windows = 0, list(gw.clean)
+        while windows and halvings <= MAX_SCALE_HALVINGS:
+            loss = cand.backward(state, windows[0])
+            state.scaler.unscale_(state.optimizer)
+            before = state.scaler.get_scale()
+            state.scaler.update()  # halves the scale when unscale_ found an inf or NaN
+            state.optimizer.zero_grad(set_to_none=True)
+            if state.scaler.get_scale() >= before or not torch.isfinite(torch.as_tensor(loss)).all():
+                windows.pop(
+                    0
+                )  # finite at this scale (or a forward's NaN, which no scale fixes): the next window
+                if state.scaler.get_scale() < before:
+                    state.scaler.update(before)  # … without the halving a non-finite loss caused
+            else:
+                halvings += 1
+        if windows:
+            raise TrainmechError(
+                f"candidate {cand.name}: no loss scale down to 2**{16 - MAX_SCALE_HALVINGS} gives finite gradients"
+            )
+        return state.scaler.get_scale(), halvings
+    finally:
+        state.close()

@@ -38,6 +38,7 @@ __all__ = [
     "checkpoint_layers",
     "MATMUL_OPS",
     "save_matmuls",
+    "Region",
     "RecomputeCount",
     "counting_context",
     "count_calls",
@@ -161,36 +162,83 @@ def _counted(func) -> bool:
 
 
 @dataclass
+class Region:
+    """One checkpointed region's ops in order (views excluded): those its forward ran, those the recompute reached
+    (answered from a selective cache or run again: the top of the recompute's dispatch modes sees both), and
+    those run again (below the cache)."""
+
+    forward: list[str] = field(default_factory=list)
+    replayed: list[str] = field(default_factory=list)
+    recomputed: list[str] = field(default_factory=list)
+
+
+@dataclass
 class RecomputeCount:
-    """Ops inside checkpointed regions: run in the forward, kept by a policy, run again in the backward.
+    """Ops inside checkpointed regions, one `Region` per region a forward ran: run in the forward, kept by a
+    policy, reached again in the backward's recompute (read from the cache or run again), or never reached.
 
-    Every op the forward ran is one of three in the backward: kept (a selective policy saved its output, the
-    recompute reads it from the cache), recomputed, or skipped (after the last saved tensor the backward
-    needs: the non-reentrant replay stops early and never reaches it)."""
+    The recompute replays the region's forward in order and stops early (non-reentrant checkpointing) once
+    every saved tensor the backward asks for is back, so what it reaches must be a prefix of what the forward
+    ran (`replays_are_prefixes`, counted, not assumed); the ops after that prefix are the skipped ones, counted
+    one by one (`skipped_by_op`). An op a selective policy kept past the stop is counted as kept but is never
+    read from the cache (`kept_unread_ops`)."""
 
-    forward_ops: int = 0
-    saved_ops: int = 0
-    recomputed_ops: int = 0
-    recomputed_by_op: Counter = field(default_factory=Counter)
+    regions: list[Region] = field(default_factory=list)
+    saved_ops: int = 0  # ops whose output a selective policy kept in the forward
+
+    @property
+    def forward_ops(self) -> int:
+        return sum(len(r.forward) for r in self.regions)
+
+    @property
+    def replayed_ops(self) -> int:
+        """Ops the recompute reached before its early stop: read from the cache or run again."""
+        return sum(len(r.replayed) for r in self.regions)
+
+    @property
+    def recomputed_ops(self) -> int:
+        return sum(len(r.recomputed) for r in self.regions)
+
+    @property
+    def recomputed_by_op(self) -> Counter:
+        return Counter(op for r in self.regions for op in r.recomputed)
+
+    @property
+    def read_from_cache_ops(self) -> int:
+        """Ops the recompute reached and the selective cache answered (reached, not run again)."""
+        return self.replayed_ops - self.recomputed_ops
+
+    @property
+    def kept_unread_ops(self) -> int:
+        """Ops a policy kept whose cached output the recompute never read: past its early stop."""
+        return self.saved_ops - self.read_from_cache_ops
+
+    @property
+    def replays_are_prefixes(self) -> bool:
+        """In every region the recompute reached the forward's ops in the forward's order, up to where it stopped."""
+        return all(r.replayed == r.forward[: len(r.replayed)] for r in self.regions)
+
+    @property
+    def skipped_by_op(self) -> Counter:
+        """The forward's ops after the point where each region's recompute stopped, by name: never run again."""
+        return Counter(op for r in self.regions for op in r.forward[len(r.replayed) :])
 
     @property
     def skipped_ops(self) -> int:
-        """Forward ops neither kept nor recomputed: those the replay's early stop never reached."""
-        return self.forward_ops - self.saved_ops - self.recomputed_ops
+        """Forward ops the recompute never reached (its early stop), counted one by one."""
+        return sum(self.skipped_by_op.values())
 
 
 class _OpCounter(TorchDispatchMode):
-    def __init__(self, count: RecomputeCount, recompute: bool) -> None:
+    """Appends each counted op's name to `ops` (one of a Region's lists)."""
+
+    def __init__(self, ops: list[str]) -> None:
         super().__init__()
-        self.count, self.recompute = count, recompute
+        self.ops = ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _counted(func):
-            if self.recompute:
-                self.count.recomputed_ops += 1
-                self.count.recomputed_by_op[func.__name__] += 1
-            else:
-                self.count.forward_ops += 1
+            self.ops.append(func.__name__)
         return func(*args, **(kwargs or {}))
 
 
@@ -201,10 +249,12 @@ def _stacked(below, above):
 
 
 def counting_context(count: RecomputeCount, policy: Callable | None = None) -> Callable[[], tuple]:
-    """A `context_fn` for checkpoint(): counts ops into `count`; with `policy`, checkpoints selectively.
+    """A `context_fn` for checkpoint(): counts ops into `count` (a Region per checkpointed call); with `policy`,
+    checkpoints selectively.
 
-    In the recompute the selective cache sits above the counter: an op whose output was saved
-    is answered from the cache and never reaches the counter, so only real recomputation counts.
+    In the recompute the selective cache sits between two counters: the one above it sees every op the
+    recompute reaches, the one below only those the cache did not answer, so only real recomputation counts
+    as recomputed.
     """
 
     def counted_policy(ctx, op, *args, **kwargs):
@@ -217,10 +267,15 @@ def counting_context(count: RecomputeCount, policy: Callable | None = None) -> C
         return decision
 
     def context_fn():
+        region = Region()
+        count.regions.append(region)
         forward, recompute = (
             create_selective_checkpoint_contexts(counted_policy) if policy else (nullcontext(), nullcontext())
         )
-        return _stacked(_OpCounter(count, False), forward), _stacked(_OpCounter(count, True), recompute)
+        return (
+            _stacked(_OpCounter(region.forward), forward),
+            _stacked(_stacked(_OpCounter(region.recomputed), recompute), _OpCounter(region.replayed)),
+        )
 
     return context_fn
 

@@ -36,6 +36,7 @@ from trainmech.gates import (
     effective_updates,
     magnitude,
     movement,
+    overflow_skips,
     scaler_skips,
 )
 from trainmech.tracing import Performance, Trace, remeasure, run_trace
@@ -221,8 +222,9 @@ def performance_verdict(perf: Performance, reference: Performance) -> Verdict:
     }
     if perf.on_gpu and reference.on_gpu:
         message = (
-            f"median x{perf.step_time_median_s / reference.step_time_median_s:.2f}, reserved peak "
-            f"{perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1:+.1%}, bytes per sequence "
+            f"median x{perf.step_time_median_s / reference.step_time_median_s:.2f}, allocated peak "
+            f"{perf.peak_allocated_bytes / reference.peak_allocated_bytes - 1:+.1%} (reserved "
+            f"{perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1:+.1%}), bytes per sequence "
             f"{perf.bytes_per_row / reference.bytes_per_row - 1:+.1%} vs the reference"
         )
     else:
@@ -247,13 +249,16 @@ def judge(
     """Run the candidate (each window's gradients also from the reference's weights: `run_trace(teacher=…)`), apply
     the correctness gate (gates 1-4 in order up to the first failure), measure performance (paired with the
     reference's, interleaved) only if all four passed (and `measure`: a check of the gates alone skips it), and
-    decide. Where the candidate's GradScaler skipped attempts the reference stepped (at most
-    MAX_SCALER_SKIP_FRACTION of its effective updates), both are run again with those attempts skipped, and the
-    gates compare those runs: like for like, the skips reported by gate 3."""
+    decide. Where the candidate's GradScaler skipped attempts the reference stepped, every one of them an overflow
+    (`gates.overflow_skips`: its loss finite, its gradients at a lower scale finite and within tolerance) and at
+    most MAX_SCALER_SKIP_FRACTION of the reference's effective updates, both are run again with those attempts
+    skipped, and the gates compare those runs: like for like, the skips reported by gate 3. A skip that is no
+    overflow (a bug's NaN) is not forgiven: the first run is judged, and gate 2 fails that window."""
     trace = trace or run_trace(cand, gw, teacher=ref.trace)
     tol = ref.tolerances(cand.dtype)
     skips, judged_ref = scaler_skips(ref.trace, trace), ref
-    if skips and len(skips) <= MAX_SCALER_SKIP_FRACTION * effective_updates(ref.trace):
+    forgiven = skips and overflow_skips(ref.trace, trace, tol) == skips
+    if forgiven and len(skips) <= MAX_SCALER_SKIP_FRACTION * effective_updates(ref.trace):
         trace.grads = []  # the first run's gradients are not judged
         skipped, judged_ref = ref.skipping(gw, skips)
         trace = run_trace(cand, skipped, teacher=judged_ref.trace)
@@ -274,6 +279,7 @@ def judge(
         verdicts.append(performance_verdict(perf, ref_perf))
     outcome, reason = decide(verdicts, perf, ref_perf)
     trace.grads = []  # kept only as long as gate 2 needs them (a GPU model's gradients are gigabytes per window)
+    trace.rescaled = {k: (scale, {}) for k, (scale, _) in trace.rescaled.items()}  # … the scales stay
     return Report(
         cand,
         verdicts,

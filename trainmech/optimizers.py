@@ -3,7 +3,7 @@
     opt = optimizers.adamw(model.parameters(), impl="foreach", lr=1e-4)   # "loop" | "foreach" | "fused"
     opt = optimizers.OptimizerInBackward(model.parameters(), lambda ps: optimizers.adamw(ps, "loop", lr=1e-4))
     model(**batch).loss.backward()     # every parameter is updated inside the backward
-    opt.step(); opt.zero_grad()        # no-ops: kept so a training loop (or a memory tracker) runs unchanged
+    opt.step(); opt.zero_grad()        # no work: kept so a training loop (a scheduler, a memory tracker) runs unchanged
     opt.remove()                       # the hooks go
 
 The three implementations compute the same update and differ in memory: the per-tensor loop (the
@@ -44,13 +44,16 @@ def adamw(params, impl: str = "loop", **kwargs) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, **choice, **kwargs)
 
 
-class OptimizerInBackward:
+class OptimizerInBackward(torch.optim.Optimizer):
     """One optimizer per parameter (`make_optimizer([p])`), each stepped by its parameter's post-accumulate-grad
     hook, which then frees the gradient.
 
-    Use it like an optimizer in a training loop (`step()` and `zero_grad()` are no-ops: the work is
-    done inside `loss.backward()`); `remove()` takes the hooks off. `state` and `param_groups` read
-    like torch.optim's; `updates` counts the parameter updates written so far.
+    Use it like an optimizer in a training loop (`step()` and `zero_grad()` do no work: it is done inside
+    `loss.backward()`); `remove()` takes the hooks off. It is a `torch.optim.Optimizer` whose param groups and
+    per-parameter state are the parts' own dicts, shared: a learning-rate scheduler that sets a group's lr sets
+    the lr the next in-backward step reads, `state[p]` holds that part's moments and step count, and `step()`
+    runs the step hooks (`register_step_pre_hook`) once per update, as a plain optimizer's would. `updates`
+    counts the parameter updates written so far.
     """
 
     def __init__(
@@ -59,6 +62,11 @@ class OptimizerInBackward:
         make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
     ) -> None:
         self.optimizers = {p: make_optimizer([p]) for p in params if p.requires_grad}
+        if any(len(opt.param_groups) != 1 for opt in self.optimizers.values()):
+            raise TrainmechError("make_optimizer must give an optimizer with one param group per parameter")
+        super().__init__([opt.param_groups[0] for opt in self.optimizers.values()], {})
+        for p, opt in self.optimizers.items():
+            self.state[p] = opt.state[p]  # the part's own dict (its defaultdict makes it once)
         self.handles = [p.register_post_accumulate_grad_hook(self._step) for p in self.optimizers]
         self.updates = 0
         self._tracker = None
@@ -79,17 +87,8 @@ class OptimizerInBackward:
         p.grad = None  # the gradient has served its only reader: free it now, not at zero_grad
         self.updates += 1
 
-    # the surface of torch.optim.Optimizer a training loop, a scheduler or a memory tracker reads
-    @property
-    def state(self) -> dict:
-        return {p: opt.state[p] for p, opt in self.optimizers.items() if p in opt.state}
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for opt in self.optimizers.values() for g in opt.param_groups]
-
-    def step(self) -> None:
-        """Nothing left to do: each parameter was updated in the backward."""
+    def step(self, closure=None) -> None:
+        """Nothing left to do: each parameter was updated in the backward (the step hooks still run)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing left to free: each gradient was freed in the backward."""

@@ -87,6 +87,8 @@ class StrategyRun:
                 "checkpointed_layers": self.checkpointed_layers,
                 "forward_ops_per_update": self.recompute.forward_ops,
                 "saved_ops_per_update": self.recompute.saved_ops,
+                "read_from_cache_ops_per_update": self.recompute.read_from_cache_ops,
+                "kept_unread_ops_per_update": self.recompute.kept_unread_ops,
                 "skipped_ops_per_update": self.recompute.skipped_ops,
             }
         if self.transfer is not None:

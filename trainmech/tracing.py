@@ -17,6 +17,8 @@ drift of the machine hits both alike.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import hashlib
 import math
@@ -27,9 +29,11 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainmech import amp, supervision
 from trainmech.candidates import Candidate, GateWorkload, MicroBatches, calibrated_scale
+from trainmech.checks import dtype_name
 from trainmech.display import progress
 from trainmech.measure import StorageTracker, allocator_window, time_stats, timed
 from trainmech.workload import supervised_tokens
@@ -44,6 +48,8 @@ __all__ = [
     "watch_inputs",
     "StepLog",
     "watch_steps",
+    "linear_dtypes",
+    "steps_undone",
     "all_finite",
     "held_out_loss",
     "run_trace",
@@ -91,11 +97,20 @@ class Trace:
     weights: list[dict[str, torch.Tensor]] = field(
         default_factory=list
     )  # keep_weights: the parameters at each attempt's start
-    dtypes: list[str] = field(default_factory=list)  # what the Linear layers produced in the first window
+    dtypes: list[str] = field(
+        default_factory=list
+    )  # what the Linear layers produced in the first window, together
+    linear_dtypes: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # … per Linear module (its name in the model): what gate 2 holds to the claimed dtype
     stepped: list[bool] = field(default_factory=list)  # per attempt: optimizer.step() ran
     scaler_backoff: list[bool] = field(
         default_factory=list
     )  # per attempt: FP16's GradScaler lowered its scale (it found an inf / NaN and skipped the step)
+    rescaled: dict[int, tuple[float, dict[str, torch.Tensor]]] = field(
+        default_factory=dict
+    )  # attempt GradScaler skipped, its loss finite, its gradients not: (a lower scale, the same pass's gradients
+    #    there, unscaled) — finite at the first lower scale where an overflow fits, never for a bug's NaN or inf
     finite: list[bool] = field(default_factory=list)  # per attempt: every parameter finite afterwards
     lrs: list[float] = field(default_factory=list)  # the learning rate at each optimizer.step()
     attempt_lrs: list[float] = field(default_factory=list)  # the learning rate at the start of each attempt
@@ -199,6 +214,62 @@ def watch_steps(optimizer: torch.optim.Optimizer) -> Iterator[StepLog]:
 
 
 @contextmanager
+def linear_dtypes(model: torch.nn.Module) -> Iterator[dict[str, set[str]]]:
+    """Forward hooks on every nn.Linear: {its name in the model: the dtypes of its outputs} while inside — what
+    ran in each one, whatever the candidate claims (an autocast around the head alone shows here)."""
+    seen: dict[str, set[str]] = {}
+
+    def hook(name, module, args, out):
+        if torch.is_tensor(out):
+            seen.setdefault(name, set()).add(dtype_name(out.dtype))
+
+    handles = [
+        m.register_forward_hook(partial(hook, name))
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def steps_undone() -> Iterator[None]:
+    """While inside, every optimizer that steps (an optimizer in the backward: its parameters' hooks step it) has
+    the state of its parameters copied just before its first step; on exit each is put back as it was. A second
+    pass over a window then leaves the candidate's moments and step counts where its own run had them. The copy
+    is taken only when something steps: a pass whose backward steps nothing copies nothing."""
+    saved: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
+
+    def before_step(opt, args, kwargs):
+        if id(opt) not in saved:
+            saved[id(opt)] = (
+                opt,
+                {
+                    p: {
+                        k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                        for k, v in opt.state[p].items()
+                    }
+                    for group in opt.param_groups
+                    for p in group["params"]
+                },
+            )
+
+    handle = register_optimizer_step_pre_hook(before_step)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for opt, states in saved.values():
+            for p, kept in states.items():
+                state = opt.state[p]  # the dict itself: an optimizer in the backward shares it with its parts
+                state.clear()
+                state.update(kept)
+
+
+@contextmanager
 def _nan_logits(model: torch.nn.Module, on: bool):
     """A non-finite sample: every gradient of this window becomes NaN."""
     handle = model.lm_head.register_forward_hook(lambda m, i, out: out * float("nan")) if on else None
@@ -286,7 +357,8 @@ def _from_weights(
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """The candidate's backward from `weights` (the teacher's at this attempt), on top of whatever the candidate
     left in .grad, under the current RNG state: (loss, unscaled gradients on the CPU). The candidate's own
-    weights, its .grad and the RNG state are put back afterwards, so its own run goes on untouched."""
+    weights, its .grad, the state of any optimizer that stepped inside the backward (`steps_undone`) and the
+    RNG state are put back afterwards, so its own run goes on untouched."""
     device = next(iter(params.values())).device
     rng = _rng_states(device)
     own = {n: p.detach().clone() for n, p in params.items()}
@@ -295,8 +367,9 @@ def _from_weights(
         for n, p in params.items():
             p.copy_(weights[n])
     watch.forget()
-    loss = cand.backward(state, window)
-    grads = watch.grads(params, state)
+    with steps_undone():
+        loss = cand.backward(state, window)
+        grads = watch.grads(params, state)
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(own[n])
@@ -317,11 +390,14 @@ def _handed(window: list[dict], injected: bool) -> str:
     )
 
 
-def _begin(cand: Candidate, gw: GateWorkload) -> Trace:
-    """A new trace from the initial weights: their held-out loss and (FP16) the calibrated loss scale."""
+def _begin(cand: Candidate, gw: GateWorkload, seed: int) -> Trace:
+    """A new trace from the initial weights: their held-out loss and (FP16) the calibrated loss scale, found from
+    the run's own seed (the calibration's backwards draw the dropout masks too: seeded, the start scale does not
+    depend on what ran before, and a rerun like for like starts where the first run did)."""
     trace = Trace(cand.name)
     gw.model.load_state_dict(gw.initial)
     trace.held_out_before = held_out_loss(gw.model, gw.held_out)
+    torch.manual_seed(seed)
     try:
         trace.loss_scale, trace.scale_halvings = calibrated_scale(cand, gw)
     except Exception:  # the candidate's own failure: the traced attempts meet it again and keep it
@@ -372,28 +448,73 @@ class _Run:
         own = self.cand.backward(self.state, window)
         return judged if forced else (float(own), self.watch.grads(params, self.state))
 
+    def rescaled_backward(
+        self, attempt: int, window: list[dict], rng: tuple, scale: float, grads: dict[str, torch.Tensor]
+    ) -> tuple[float, dict[str, torch.Tensor]]:
+        """GradScaler skipped this attempt, its loss finite, its judged gradients not: the judged pass again — from
+        the same weights (the teacher's, else the candidate's, which a skipped step left as they were), under the
+        RNG state the attempt started from, on top of what the update left in .grad (nothing, for an update
+        that zeroes it) — at scale / 2, / 4, … while the scale stays ≥ 1, up to the first whose gradients are
+        finite: (that scale, its unscaled gradients), else (the last scale tried, non-finite ones). An overflow of the
+        scaled backward fits at a lower scale; a NaN or inf a bug puts into the backward stays at every one."""
+        params, device = self.params, self.gw.device
+        weights = (
+            self.teacher.weights[attempt]
+            if self.teacher is not None and self.teacher.weights
+            else {n: p.detach().clone() for n, p in params.items()}
+        )
+        after = _rng_states(device)
+        self.inputs.paused = True
+        try:
+            while scale >= 2:
+                scale /= 2
+                probe = dataclasses.replace(
+                    self.state, scaler=amp.grad_scaler(device, self.state.precision, init_scale=scale)
+                )
+                _set_rng_states(device, rng)
+                _, grads = _from_weights(self.cand, probe, window, weights, params, self.watch)
+                if all_finite(grads.values()):
+                    break
+        finally:
+            self.inputs.paused = False
+            _set_rng_states(device, after)
+        return scale, grads
+
     def attempt(self, attempt: int, window: list[dict]) -> bool:
-        """Backward (a poisoned window gets NaN logits), then the candidate's update. False when the candidate
-        raised: its failure is evidence, kept in `trace.error`, not a crash of the pipeline."""
+        """Backward (a poisoned window gets NaN logits), then the candidate's update; where GradScaler skipped the
+        step on finite loss and non-finite gradients, the same pass at lower scales (`rescaled_backward`). False
+        when the candidate raised: its failure is evidence, kept in `trace.error`, not a crash of the pipeline."""
         trace, stage, before = self.trace, "backward", self.steps.steps
+        rng = _rng_states(self.gw.device)
         try:
             with (
                 _nan_logits(self.gw.model, attempt in self.gw.inject_at),
-                amp.activation_dtypes(self.gw.model, ("Linear",)) as dtypes,
+                linear_dtypes(self.gw.model) as dtypes,
             ):
                 loss, grads = self.judged_backward(attempt, window)
             trace.losses.append(loss)
             if self.keep_grads:
                 trace.grads.append(grads)
             if attempt == 0:
-                trace.dtypes = sorted(dtypes.get("Linear", ()))
+                trace.linear_dtypes = {name: sorted(d) for name, d in dtypes.items()}
+                trace.dtypes = sorted(set().union(*dtypes.values()))
             stage, scale = "update", _scale(self.state)
             self.cand.update(self.state)
+            backoff = self.state.scaler.is_enabled() and _scale(self.state) < scale
+            stage = "backward"  # again, at a lower loss scale
+            if (
+                backoff
+                and self.keep_grads
+                and attempt not in self.gw.inject_at
+                and math.isfinite(loss)
+                and not all_finite(grads.values())
+            ):
+                trace.rescaled[attempt] = self.rescaled_backward(attempt, window, rng, scale, grads)
         except Exception as e:
             trace.error = f"attempt {attempt}, {stage}: {_stable_head(e)}"
             return False
         trace.stepped.append(self.steps.steps > before)
-        trace.scaler_backoff.append(self.state.scaler.is_enabled() and _scale(self.state) < scale)
+        trace.scaler_backoff.append(backoff)
         trace.finite.append(all_finite(self.params.values()))
         return True
 
@@ -430,20 +551,26 @@ def run_trace(
 
     keep_grads=False: the gradients are not kept (a run watched only for its inputs or its updates; on a GPU model
     they are gigabytes per window, in host memory). A parameter whose `.grad` a hook of the candidate's freed in
-    the backward (an optimizer in the backward) is judged by the gradient it accumulated (`GradWatch`)."""
+    the backward (an optimizer in the backward) is judged by the gradient it accumulated (`GradWatch`, registered
+    before the candidate's optimizer exists, so its hooks run first); a second pass over a window puts back any
+    optimizer state its backward stepped (`steps_undone`)."""
+    seed = gw.seed if seed is None else seed
     with gw.running():
-        trace = _begin(cand, gw)
-        torch.manual_seed(gw.seed if seed is None else seed)
-        state = gw.fresh_state(cand, init_scale=trace.loss_scale)
+        trace = _begin(cand, gw, seed)
         watch = GradWatch(dict(gw.model.named_parameters()))
         try:
-            with watch_inputs(gw.model) as inputs, watch_steps(state.optimizer) as steps:
-                run = _Run(trace, cand, gw, state, inputs, steps, teacher, watch, keep_grads)
-                for attempt, window in enumerate(gw.windows):
-                    run.start(attempt, window, keep_weights)
-                    if not run.attempt(attempt, window):
-                        break
-            run.end()
+            torch.manual_seed(seed)
+            state = gw.fresh_state(cand, init_scale=trace.loss_scale)
+            try:
+                with watch_inputs(gw.model) as inputs, watch_steps(state.optimizer) as steps:
+                    run = _Run(trace, cand, gw, state, inputs, steps, teacher, watch, keep_grads)
+                    for attempt, window in enumerate(gw.windows):
+                        run.start(attempt, window, keep_weights)
+                        if not run.attempt(attempt, window):
+                            break
+                run.end()
+            finally:
+                state.close()
         finally:
             watch.remove()
     return trace
@@ -563,10 +690,13 @@ def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | N
     window = clean[max(warmup, 1) % len(clean)]
     source = _allocator(gw.device, allocator)
     out = dict.fromkeys(ALLOCATOR_FIELDS)
-    if source:
-        out |= _allocator_peaks(cand, state, window, gw.device, source)
-    out |= _tracked_peaks(cand, state, window)
-    out["bytes_per_row"] = _bytes_per_row(cand, state, window[0], gw.device, source)
+    try:
+        if source:
+            out |= _allocator_peaks(cand, state, window, gw.device, source)
+        out |= _tracked_peaks(cand, state, window)
+        out["bytes_per_row"] = _bytes_per_row(cand, state, window[0], gw.device, source)
+    finally:
+        state.close()
     return out
 
 
@@ -645,18 +775,23 @@ def remeasure(
         states = {id(c): gw.fresh_state(c, init_scale=scales[id(c)]) for c in (cand, reference)}
         clean = gw.clean
         order = [(cand, reference), (reference, cand)]
-        for i in range(warmup):
+        try:
+            for i in range(warmup):
+                for c in (cand, reference):
+                    _one_update(c, states[id(c)], clean[i % len(clean)])
             for c in (cand, reference):
-                _one_update(c, states[id(c)], clean[i % len(clean)])
-        for c in (cand, reference):
-            _transfer(c, 0)  # forget the warm-up's offload runs
-        seconds = {id(cand): [], id(reference): []}
-        for i in progress(range(repeats), desc=f"timing {cand.name} beside {reference.name}", unit="round"):
-            for c in order[i % 2]:
-                window = clean[(warmup + i) % len(clean)]
-                seconds[id(c)].append(timed(partial(_one_update, c, states[id(c)], window), gw.device)[1])
-        for c in (cand, reference):
-            states[id(c)].optimizer.zero_grad(set_to_none=True)
+                _transfer(c, 0)  # forget the warm-up's offload runs
+            seconds = {id(cand): [], id(reference): []}
+            for i in progress(
+                range(repeats), desc=f"timing {cand.name} beside {reference.name}", unit="round"
+            ):
+                for c in order[i % 2]:
+                    window = clean[(warmup + i) % len(clean)]
+                    seconds[id(c)].append(timed(partial(_one_update, c, states[id(c)], window), gw.device)[1])
+        finally:
+            for c in (cand, reference):
+                states[id(c)].optimizer.zero_grad(set_to_none=True)
+                states[id(c)].close()
     out = []
     for c in (cand, reference):
         exposed, transfer = _transfer(c, repeats)

@@ -262,19 +262,20 @@ NOTEBOOK_CELLS = {
     "Task5:in-backward": "optimizer-in-backward within 1e-5 of AdamW on CUDA, bitwise on CPU",
     "Task5:transfer-measured": "this machine's copy bandwidth and phase times, measured: the bound the timing table is held "
     "to; the save_on_cpu byte estimate claimed on CPU only",
-    "Task5:timing-table": "the timing table, decisions from reserved peaks, bytes per sequence and medians; the exposed fraction "
+    "Task5:timing-table": "the timing table, decisions from allocated peaks (reserved beside them), bytes per sequence and "
+    "medians; the exposed fraction "
     "(per-copy CUDA events) and the step ratio against the measured bound",
     "Task6:imports-setup": "3 warm-up + 21 timed steps on CUDA; one CPU thread only on CPU",
     "Task6:gradient-errors-figure": "the FP16 margin claim is CPU-only; on CUDA the margin is printed as unverified (the "
     "float16 tolerance's first GPU calibration)",
     "Task6:noise-floor": "the bitwise reference rerun is claimed on CPU only; on CUDA the 16-bit tolerance is marked "
     "not yet calibrated on a GPU",
-    "Task6:strategy-table": "the exact moved layer inputs and the tracked-bytes identity of checkpoint+offload are claimed "
-    "on CPU only (a 2-layer model, this transformers' hook placement)",
+    "Task6:strategy-table": "the exact moved layer inputs are claimed on CPU only, the tracked-bytes identity of "
+    "checkpoint+offload on CPU only and only where the prefetch window covers every layer",
     "Task6:performance-rule": "the checkpoint candidate's measured capacity gain against the rule's min_peak_drop, beside "
-    "the ledger's prediction (CPU: the prediction alone, no claim)",
-    "Task6:outcomes": "the offload's per-sequence bytes equal the reference's on CPU only (the 2-layer model's prefetch "
-    "window covers every moved layer)",
+    "the ledger's prediction and the allocated and reserved changes (CPU: the prediction alone, no claim)",
+    "Task6:outcomes": "the offload's per-sequence bytes equal the reference's on CPU only and only where the prefetch "
+    "window covers every moved layer (the layer count is printed)",
 }
 
 # Kernel choices with no device test in the cell: the SDPA kernel follows the device and dtype

@@ -13,7 +13,7 @@ from trainmech.offload.book import OffloadBook, TransferStats
 from trainmech.offload.copies import HostArena, HostStreams, host_arena
 from trainmech.offload.hooks import ActivationOffload, activation_offload, restore_check
 from trainmech.offload.nominal import NOMINAL, step_flops
-from trainmech.offload.save_on_cpu import CountingSaveOnCpu
+from trainmech.offload.save_on_cpu import CountingSaveOnCpu, pack_copy_line
 
 __all__ = [
     "ActivationOffload",
@@ -25,6 +25,7 @@ __all__ = [
     "OffloadBook",
     "TransferStats",
     "host_arena",
+    "pack_copy_line",
     "restore_check",
     "step_flops",
 ]

@@ -2,20 +2,31 @@
 
 Every saved tensor goes to the host, parameters and small tensors included, once per saved
 reference, as a contiguous copy (`torch.empty(size)` then `copy_`: a transposed view comes back with
-other strides). On CUDA the host buffer is pinned memory from the caching host allocator and both
-copies are `non_blocking`: the host does not wait, but every copy is queued on the compute stream, so
-none overlaps with compute and its whole time is exposed (its wait is its copy time). Off CUDA torch
-does not pin, and the "H2D" `.to(device)` hands back the host tensor itself; the bytes are counted all
-the same (they are what a GPU run moves).
+other strides). On CUDA the host buffer is pinned memory from the caching host allocator; the H2D copy
+is `non_blocking`, and whether the D2H `copy_` is too depends on the torch version (older ones copy
+synchronously, so the host waits at every pack): `pack_copy_line()` reads it from the installed
+source. Either way every copy is queued on the compute stream, so none overlaps with compute and its
+whole time is exposed (its wait is its copy time). Off CUDA torch does not pin, and the "H2D"
+`.to(device)` hands back the host tensor itself; the bytes are counted all the same (they are what a
+GPU run moves).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 from trainmech.offload.book import TransferStats
 
-__all__ = ["CountingSaveOnCpu"]
+__all__ = ["CountingSaveOnCpu", "pack_copy_line"]
+
+
+def pack_copy_line() -> str:
+    """The line of the installed torch's `save_on_cpu` whose `copy_` moves a saved tensor to pinned host memory:
+    whether it passes `non_blocking` (the host does not wait for the D2H copy) differs between torch versions."""
+    lines = inspect.getsource(torch.autograd.graph.save_on_cpu).splitlines()
+    return next((line.strip() for line in lines if ".copy_(" in line), "")
 
 
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
