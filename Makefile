@@ -5,7 +5,7 @@
 #               (pytest-xdist; each test file and each notebook stays in one worker; TEST_WORKERS=0: serial)
 #   make lab    JupyterLab at the repository root with Task0 open (LAB_ARGS="--port=9999 --no-browser" …)
 #   make test-portable   nbval again under a second numeric path (no SIMD kernels, MKL's compatible
-#               code path): the committed outputs must hold on other CPUs too (CI runs it after make test)
+#               code path, oneDNN at AVX2): the committed outputs must hold on other CPUs too (CI runs it after make test)
 #   make portability     the full numeric-path report -> results/portability/ (maintainers)
 #   make gpu-bundle   the wheels the GPU machine lacks (profiles/cuda-bundle.txt) into .whl/, checked
 # Each target creates or refreshes .venv by itself (only when pyproject.toml changed).
@@ -18,8 +18,10 @@ LABEL  ?= cpu-reference
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 JOBS   ?=
 TEST_WORKERS ?= auto
-# A numeric path other than this machine's default: ATen's scalar kernels and MKL's compatible path.
-PORTABLE_PATH := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
+# A numeric path other than this machine's default: ATen's scalar kernels, MKL's compatible path, and
+# oneDNN capped at AVX2 (on an AMX CPU, torch's 16-bit CPU attention otherwise calls an AVX-512-only
+# packing routine that ATen's scalar build lacks; see trainmech/portability.py).
+PORTABLE_PATH := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=AVX2
 LAB_ROOT ?= $(CURDIR)
 LAB_ARGS ?=
 

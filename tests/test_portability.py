@@ -94,10 +94,13 @@ def test_margins_report_checks_that_differ_between_paths():
 def test_environment_sets_the_path_and_restores_the_caller(monkeypatch):
     monkeypatch.setenv("MKL_CBWR", "AUTO")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     with portability.environment(portability.PATHS["no-simd"]):
         assert (os.environ["ATEN_CPU_CAPABILITY"], os.environ["MKL_CBWR"]) == ("default", "COMPATIBLE")
+        assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     with portability.environment(portability.PATHS["native"]):
         assert "MKL_CBWR" not in os.environ and "ATEN_CPU_CAPABILITY" not in os.environ
+        assert "ONEDNN_MAX_CPU_ISA" not in os.environ
     assert os.environ["MKL_CBWR"] == "AUTO" and "ATEN_CPU_CAPABILITY" not in os.environ
 
 

@@ -6,6 +6,13 @@ through environment variables that torch and MKL read at start-up:
 
     ATEN_CPU_CAPABILITY   default | avx2 | avx512 …  which vectorised ATen kernels run
     MKL_CBWR              COMPATIBLE | AVX2 | …      which MKL code path (BLAS) runs
+    ONEDNN_MAX_CPU_ISA    AVX2 | AVX512_CORE | …     the newest instructions oneDNN may use
+
+A path below AVX-512 caps oneDNN at AVX2 too, as a CPU without AVX-512 has it. Without the cap, a
+CPU with AMX breaks: torch's CPU flash attention asks oneDNN whether to pack bfloat16/float16
+blocks for AMX (the hardware says yes) and then calls a packing routine that only the AVX-512
+build of ATen contains ("pack_vnni2 is only supported when avx512 is supported"), so every 16-bit
+SDPA call fails under ATEN_CPU_CAPABILITY=default or avx2 (torch 2.13, Sapphire Rapids).
 
 `python -m trainmech portability` executes the notebooks (with their committed default
 parameters, as nbval does) once per path and reports three things:
@@ -67,10 +74,10 @@ __all__ = [
 
 PATHS: dict[str, dict[str, str]] = {
     "native": {},
-    "no-simd": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
+    "no-simd": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
-PATH_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")
+PATH_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
 SANITIZE_FILE = REPO_ROOT / "tests" / "nbval_sanitize.cfg"
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 RUNS_DIR = REPO_ROOT / "results" / "portability-runs"
