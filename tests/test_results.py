@@ -61,7 +61,7 @@ def full_record(
             "blas": "mkl 2024.2",
             "onednn": "3.12.0",
             "intra_op_threads": 1,
-            "numeric_env": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": None},
+            "numeric_env": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": None, "ONEDNN_MAX_CPU_ISA": None},
         },
         "correctness": {
             "output_max_abs_error": 1.5e-7,
@@ -717,7 +717,11 @@ def test_schema_1_records_are_read_with_null_provenance(tmp_path):
     back = results.read_record(record_file(tmp_path, data))
     assert back.schema_version == 2
     assert back.environment.cpu is None and back.environment.intra_op_threads is None
-    assert back.environment.numeric_env.model_dump() == {"ATEN_CPU_CAPABILITY": None, "MKL_CBWR": None}
+    assert back.environment.numeric_env.model_dump() == {
+        "ATEN_CPU_CAPABILITY": None,
+        "MKL_CBWR": None,
+        "ONEDNN_MAX_CPU_ISA": None,
+    }
     data["schema_version"] = 1.0
     refused_on_read(record_file(tmp_path, data), "schema_version")
 

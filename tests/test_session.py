@@ -112,6 +112,7 @@ def test_environment_has_every_record_key_and_the_imported_versions():
 def test_environment_names_the_cpu_and_the_numeric_path(monkeypatch):
     monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     env = session.start("cpu", "local").environment
     assert env["intra_op_threads"] == session.CPU_THREADS == torch.get_num_threads() == 1
     assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
@@ -121,7 +122,11 @@ def test_environment_names_the_cpu_and_the_numeric_path(monkeypatch):
         assert env["blas"].startswith("mkl 20") and env["blas"].split()[1] in config
     if "MKL-DNN v" in config:
         assert f"MKL-DNN v{env['onednn']}" in config
-    assert env["numeric_env"] == {"ATEN_CPU_CAPABILITY": None, "MKL_CBWR": "COMPATIBLE"}
+    assert env["numeric_env"] == {
+        "ATEN_CPU_CAPABILITY": None,
+        "MKL_CBWR": "COMPATIBLE",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
 
 
 def test_results_dir_follows_the_environment_variable(monkeypatch, tmp_path):

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainmech import drift
-from trainmech.session import REPO_ROOT
+from trainmech.session import NUMERIC_ENV, REPO_ROOT
 
 __all__ = [
     "PATHS",
@@ -77,7 +77,7 @@ PATHS: dict[str, dict[str, str]] = {
     "no-simd": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
-PATH_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+PATH_VARIABLES = NUMERIC_ENV  # the variables a record names in environment.numeric_env
 SANITIZE_FILE = REPO_ROOT / "tests" / "nbval_sanitize.cfg"
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 RUNS_DIR = REPO_ROOT / "results" / "portability-runs"

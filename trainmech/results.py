@@ -136,6 +136,7 @@ class NumericEnv(_Group):
 
     ATEN_CPU_CAPABILITY: str | None = None
     MKL_CBWR: str | None = None
+    ONEDNN_MAX_CPU_ISA: str | None = None
 
 
 class Environment(_Group):

@@ -43,7 +43,8 @@ __all__ = [
 ]
 
 CPU_THREADS = 1  # intra-op threads of a CPU-mode session (see start)
-NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")  # variables that pick other CPU kernels or MKL code paths
+# Variables that pick other CPU kernels, MKL code paths or oneDNN instruction sets (portability.PATHS sets them).
+NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
 
 
 def seed_everything(seed: int) -> None:
