@@ -312,12 +312,10 @@ class CommCounter:
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 if func.namespace == "c10d" and func.__name__.split(".")[0] != "barrier":
-                    import torch
-                    from torch.utils._pytree import tree_flatten
+                    from trainmech.saved_state import flat_tensors
 
                     name = func.__name__.split(".")[0]
-                    first = args[cls.WHOLE.get(name, 0)]
-                    tensors = [t for t in tree_flatten(first)[0] if isinstance(t, torch.Tensor)]
+                    tensors = flat_tensors(args[cls.WHOLE.get(name, 0)])
                     c = self.collectives.setdefault(name, Collective())
                     c.calls += 1
                     c.payload_bytes += sum(t.numel() * t.element_size() for t in tensors)

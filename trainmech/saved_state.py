@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_leaves
 
 from trainmech import graph
 from trainmech.checks import dtype_name
@@ -111,11 +111,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                self.known.add(_key(t))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0 and _key(t) not in self.known:
+        for t in flat_tensors((args, kwargs)):
+            self.known.add(_key(t))
+        for t in flat_tensors(out):
+            if t.untyped_storage().nbytes() > 0 and _key(t) not in self.known:
                 self.known.add(_key(t))
                 self.held.append(t)
                 name = func.overloadpacket.__name__
