@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmech import execution, parameters, profiles, results, runfolder
-from trainmech.errors import TrainmechError
+from trainmech.errors import TrainmechError, no_cuda
 from trainmech.execution import Interrupted, Job, NotebookResult, Progress, Signals, task_key  # noqa: F401
 from trainmech.results import PARTIAL_SUFFIX, REPO_ROOT, RESULTS_ENV
 
@@ -169,9 +169,7 @@ def run(
         import torch
 
         if not torch.cuda.is_available():
-            raise TrainmechError(
-                f"run mode {run_mode} needs a CUDA GPU and this machine has none; use --mode cpu"
-            )
+            raise no_cuda(f"run mode {run_mode}", "use --mode cpu")
     notebooks_dir = Path(notebooks_dir or NOTEBOOKS_DIR).absolute()  # kernels run in the notebooks' folder
     notebooks = discover(notebooks_dir, only)
     if not notebooks:
