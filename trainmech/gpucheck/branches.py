@@ -192,7 +192,7 @@ PACKAGE = [
     ),
     Branch(
         "distributed.torchrun",
-        ("distributed._wrap", "distributed.main"),
+        ("rank_update._wrap", "distributed.main"),
         "trainmech.distributed under torchrun with NCCL: the model on the rank's GPU, DDP device_ids, a cuda DeviceMesh",
         check_distributed_torchrun,
         20,
