@@ -369,16 +369,8 @@ def records_into(folder: str | Path):
     """While inside, kernels started here by nbclient itself (refresh, portability) get the runner's
     kernel environment (execution.kernel_env): records into folder, this checkout's trainmech."""
     env = execution.kernel_env(Path(folder))
-    previous = {name: os.environ.get(name) for name in (RESULTS_ENV, "PYTHONPATH")}
-    os.environ.update({name: env[name] for name in previous})
-    try:
+    with execution.environ_set({name: env[name] for name in (RESULTS_ENV, "PYTHONPATH")}):
         yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[str, str, dict | None]]:
