@@ -46,51 +46,21 @@ import sys
 import time
 import warnings
 
+from trainmech import rank_reports, rank_update
 from trainmech.errors import TrainmechError
-from trainmech.rank_reports import (
-    agreement,
-    communication_table,
-    per_rank_table,
-    predictions,
-    reference_update,
-    torch_equal,
-    torch_isfinite,
-    write_records,
-)
+from trainmech.rank_reports import *  # noqa: F403  every name re-exported: distributed.<name>
+from trainmech.rank_update import *  # noqa: F403
 from trainmech.rank_update import (
     COLLECTIVE_TIMEOUT_S,
     HOST,
-    LR,
     STAGES,
-    Collective,
-    CommCounter,
     RankReport,
     one_update,
     quiet_warnings,
     worker,
 )
 
-__all__ = [
-    "STAGES",
-    "HOST",
-    "LR",
-    "COLLECTIVE_TIMEOUT_S",
-    "Collective",
-    "RankReport",
-    "CommCounter",
-    "worker",
-    "start_method_for",
-    "run",
-    "reference_update",
-    "predictions",
-    "per_rank_table",
-    "communication_table",
-    "torch_isfinite",
-    "agreement",
-    "torch_equal",
-    "write_records",
-    "main",
-]
+__all__ = [*rank_update.__all__, "start_method_for", "run", *rank_reports.__all__, "main"]
 
 
 def _check(stages, world_sizes, batch: int) -> None:

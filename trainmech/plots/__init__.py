@@ -10,43 +10,11 @@ One module per Task group, every figure re-exported here as `trainmech.plots.<na
 `ledger` (Task4), `strategies` (Task5 and Task6's gate matrix).
 """
 
-from trainmech.plots.backward import activation_split, grad_errors, saved_bytes_by_op, saved_bytes_vs_length
-from trainmech.plots.basics import grad_fn_graph, training_loop
-from trainmech.plots.ledger import (
-    CATEGORY_COLOURS,
-    lifecycle_chart,
-    memory_timeline,
-    memory_viz_timeline,
-    per_rank_bytes,
-)
-from trainmech.plots.strategies import gate_matrix, strategy_timelines
-from trainmech.plots.updates import (
-    continual_pretrain,
-    fp16_gradient_range,
-    precision_runs,
-    token_weights,
-    update_dynamics,
-    wsd_clock,
-)
+from trainmech.plots import backward, basics, ledger, strategies, updates
+from trainmech.plots.backward import *  # noqa: F403  every figure re-exported: plots.<name>
+from trainmech.plots.basics import *  # noqa: F403
+from trainmech.plots.ledger import *  # noqa: F403
+from trainmech.plots.strategies import *  # noqa: F403
+from trainmech.plots.updates import *  # noqa: F403
 
-__all__ = [
-    "training_loop",
-    "grad_fn_graph",
-    "token_weights",
-    "precision_runs",
-    "fp16_gradient_range",
-    "wsd_clock",
-    "update_dynamics",
-    "continual_pretrain",
-    "CATEGORY_COLOURS",
-    "lifecycle_chart",
-    "memory_timeline",
-    "memory_viz_timeline",
-    "per_rank_bytes",
-    "strategy_timelines",
-    "saved_bytes_vs_length",
-    "grad_errors",
-    "saved_bytes_by_op",
-    "activation_split",
-    "gate_matrix",
-]
+__all__ = [*basics.__all__, *backward.__all__, *updates.__all__, *ledger.__all__, *strategies.__all__]
