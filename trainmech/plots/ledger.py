@@ -116,31 +116,31 @@ def memory_timeline(
     )
     top.legend(fontsize=7, loc="upper right")
     top.grid(alpha=0.3, axis="y")
-    ticks_ = [t for t, _ in predicted]
-    bottom_ = [0.0] * len(ticks_)
+    tick_names = [t for t, _ in predicted]
+    stacked = [0.0] * len(tick_names)
     for category, colour in CATEGORY_COLOURS.items():
         vals = [row[category] / mib for _, row in predicted]
-        bottom.bar(range(len(ticks_)), vals, bottom=bottom_, color=colour, width=0.85, label=category)
-        bottom_ = [a + b for a, b in zip(bottom_, vals)]
-    peak = max(range(len(ticks_)), key=bottom_.__getitem__)
+        bottom.bar(range(len(tick_names)), vals, bottom=stacked, color=colour, width=0.85, label=category)
+        stacked = [a + b for a, b in zip(stacked, vals)]
+    peak = max(range(len(tick_names)), key=stacked.__getitem__)
     bottom.bar(
         peak,
-        bottom_[peak],
+        stacked[peak],
         width=0.95,
         fill=False,
         edgecolor="tab:red",
         lw=1.5,
-        label=f"peak overlap: {ticks_[peak]}",
+        label=f"peak overlap: {tick_names[peak]}",
     )
     bottom.set_xticks(
-        range(len(ticks_)),
-        [t.replace("forward.", "f.").replace("backward.", "b.") for t in ticks_],
+        range(len(tick_names)),
+        [t.replace("forward.", "f.").replace("backward.", "b.") for t in tick_names],
         rotation=75,
         ha="right",
         fontsize=6,
     )
     bottom.set(ylabel="bytes (MiB)", title="ledger: what is alive at each moment")
-    bottom.set_ylim(0, max(bottom_) * 1.35)  # headroom: the legend sits above the tallest bar
+    bottom.set_ylim(0, max(stacked) * 1.35)  # headroom: the legend sits above the tallest bar
     bottom.legend(fontsize=7, ncols=4, loc="upper left")
     bottom.grid(alpha=0.3, axis="y")
     return fig
