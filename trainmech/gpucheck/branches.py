@@ -206,7 +206,7 @@ PACKAGE = [
     ),
     Branch(
         "update.rng",
-        ("update._rng_state", "update._set_rng_state"),
+        ("training_state._rng_state", "training_state._set_rng_state"),
         "the CUDA generator's state saved into and restored from the checkpoint",
         check_rng_resume,
         2,
