@@ -3,21 +3,19 @@ return the executed cells: what a notebook stores and JupyterLab shows, outputs 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nbformat
-from jupyter_client.manager import AsyncKernelManager
-from nbclient import NotebookClient
+
+from trainmech.execution import notebook_client
 
 
 def run_cells(*sources: str, env: dict[str, str] | None = None, timeout: int = 180) -> list:
     """Execute the sources as consecutive code cells (errors kept as outputs); the executed cells."""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
-    km = AsyncKernelManager(kernel_name="python3", transport_encryption="auto")  # CurveZMQ, as in .jupyter/
-    client = NotebookClient(
-        nb, km=km, timeout=timeout, allow_errors=True, record_timing=False, shutdown_kernel="immediate"
-    )  # killed at the end, as nbval and the runner do: the interpreter's teardown would only cost time
-    client.execute(
-        cleanup_kc=True, **({"env": env} if env is not None else {})
-    )  # shut the kernel down: we own km
+    # the runner's client (trainmech.execution.notebook_client), the kernel in this process's folder
+    client = notebook_client(nb, Path.cwd() / "cells.ipynb", timeout=timeout, allow_errors=True)
+    client.execute(**({"env": env} if env is not None else {}))
     return nb.cells
 
 

@@ -193,19 +193,23 @@ def test_placeholders_only_for_notebooks_not_yet_run(page):
 
 
 def _defined(module: Path, names: list[str]) -> bool:
-    """Whether module (a .py file) defines names[0] at top level (or imports it, as a package's __init__
-    re-exports), and names[1:] inside it (class members)."""
+    """Whether module (a .py file) defines names[0] at top level (or imports it, by name or by a star
+    import of a trainmech module, as a package's __init__ re-exports), and names[1:] inside it (class members)."""
     body = ast.parse(module.read_text(encoding="utf-8")).body
     for k, name in enumerate(names):
         found = None
+        starred = []  # `from trainmech.x import *`: modules whose public names this one re-exports
         for node in body:
             if (
                 isinstance(node, ast.ImportFrom)
                 and (node.module or "").startswith("trainmech.")
-                and any((a.asname or a.name) == name for a in node.names)
+                and any((a.asname or a.name) in (name, "*") for a in node.names)
             ):  # a package re-exports it: look where it lives
                 source = ROOT.joinpath(*node.module.split("."))
                 source = source / "__init__.py" if source.is_dir() else source.with_suffix(".py")
+                if node.names[0].name == "*":
+                    starred.append(source)
+                    continue
                 return source.is_file() and _defined(source, names[k:])
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
                 found = node
@@ -217,7 +221,7 @@ def _defined(module: Path, names: list[str]) -> bool:
                 if any(isinstance(t, ast.Name) and t.id == name for t in flat):
                     found = node
         if found is None:
-            return False
+            return k == 0 and any(s.is_file() and _defined(s, names) for s in starred)
         body = getattr(found, "body", [])
     return True
 

@@ -1,7 +1,8 @@
 """Task2 guard: every hand-written VJP in trainmech.vjp against torch.autograd, in float64.
 
 Shapes and values are drawn by hypothesis (small shapes, a seed for the values, a value scale);
-the reference gradient comes from autograd with the `(out * grad_out).sum().backward()` trick.
+the reference gradient comes from autograd (trainmech.vjp_check.reference_vjp: the
+`(out * grad_out).sum().backward()` trick).
 Tolerance: relative error (max|ours - ref| / max|ref|) <= 1e-10 in float64.
 """
 
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from trainmech import vjp
 from trainmech.checks import close
+from trainmech.vjp_check import reference_vjp
 
 pytestmark = pytest.mark.task2
 
@@ -34,20 +36,6 @@ def randn(gen, *shape, scale=1.0):
     return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
 
 
-def autograd_reference(fn, inputs, grad_out, constants=()):
-    """(out, grads) from torch.autograd: grads[i] is None for non-float inputs, None, and `constants`."""
-    leaves = [
-        t.detach().clone().requires_grad_(True)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constants
-        else t
-        for i, t in enumerate(inputs)
-    ]
-    out = fn(*leaves)
-    (out * grad_out).sum().backward()
-    grads = [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
-    return out.detach(), grads
-
-
 def check(name, fn_ours, fn_ref, inputs, options, grad_out=None, gen=None, constants=()):
     """Run our forward/backward and autograd's, compare the output and every input gradient.
 
@@ -57,7 +45,7 @@ def check(name, fn_ours, fn_ref, inputs, options, grad_out=None, gen=None, const
     if grad_out is None:
         grad_out = randn(gen, *out.shape)
     grads = getattr(vjp, f"{fn_ours}_backward")(saved, grad_out)
-    ref_out, ref_grads = autograd_reference(fn_ref, inputs, grad_out, constants)
+    ref_out, ref_grads = reference_vjp(fn_ref, inputs, grad_out, constants=constants)
     assert isinstance(grads, tuple) and len(grads) == len(inputs)
     close(f"{name}.out", out, ref_out, rtol=RTOL)
     for i, (g, r) in enumerate(zip(grads, ref_grads)):

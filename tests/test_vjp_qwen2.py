@@ -13,8 +13,6 @@ float32 (eps 1.2e-7) but sum in different orders over up to V*B*T terms through 
 leaves ~1e-6 relative; 1e-4 keeps a wide margin while any wrong formula is off by >= 1e-2.
 """
 
-from functools import partial
-
 import pytest
 import torch
 from transformers.models.qwen2 import modeling_qwen2
@@ -28,14 +26,6 @@ pytestmark = pytest.mark.task2
 RTOL64 = 1e-10
 RTOL32 = 1e-4
 B, T, V = 2, 12, 97  # V: the vocabulary of conftest's tiny Qwen2
-
-
-@pytest.fixture
-def tiny_model(tiny_qwen2):
-    """Factory (dtype, **config overrides): conftest's seeded tiny Qwen2ForCausalLM (vocabulary V) with
-    its norm weights and biases moved off their init (ones / zeros), so a wrong backward cannot hide
-    behind them."""
-    return partial(tiny_qwen2, off_init=True)
 
 
 def batch():
@@ -67,8 +57,8 @@ def hf_float64():
 # the whole model
 
 
-def test_task2_model_loss_and_every_grad_match_autograd_float64(hf_float64, tiny_model):
-    model = tiny_model(torch.float64)
+def test_task2_model_loss_and_every_grad_match_autograd_float64(hf_float64, tiny_qwen2):
+    model = tiny_qwen2(torch.float64, off_init=True)
     input_ids, labels = batch()
     loss, saved = q2.model_loss_forward(model, input_ids, labels)
     grads = q2.model_loss_backward(saved)
@@ -81,17 +71,17 @@ def test_task2_model_loss_and_every_grad_match_autograd_float64(hf_float64, tiny
         close(name, grads[name], ref_grads[name], rtol=RTOL64)
 
 
-def test_task2_model_loss_is_hfs_shifted_loss_float32(tiny_model):
+def test_task2_model_loss_is_hfs_shifted_loss_float32(tiny_qwen2):
     """Our loss is HF's own `labels=` loss (shift by one, ignore -100, mean over valid) on the stock model."""
-    model = tiny_model(torch.float32)
+    model = tiny_qwen2(torch.float32, off_init=True)
     input_ids, labels = batch()
     loss, _ = q2.model_loss_forward(model, input_ids, labels)
     hf_loss = model(input_ids=input_ids, labels=labels).loss
     close("loss[f32]", loss, hf_loss, rtol=RTOL32)
 
 
-def test_task2_model_every_grad_matches_stock_hf_float32(tiny_model):
-    model = tiny_model(torch.float32)
+def test_task2_model_every_grad_matches_stock_hf_float32(tiny_qwen2):
+    model = tiny_qwen2(torch.float32, off_init=True)
     input_ids, labels = batch()
     loss, saved = q2.model_loss_forward(model, input_ids, labels)
     grads = q2.model_loss_backward(saved)
@@ -101,8 +91,8 @@ def test_task2_model_every_grad_matches_stock_hf_float32(tiny_model):
         close(f"{name}[f32]", grads[name], ref_grads[name], rtol=RTOL32)
 
 
-def test_task2_tied_lm_head_grad_is_the_sum_of_both_uses(tiny_model):
-    model = tiny_model(torch.float64)
+def test_task2_tied_lm_head_grad_is_the_sum_of_both_uses(tiny_qwen2):
+    model = tiny_qwen2(torch.float64, off_init=True)
     names = [name for name, _ in model.named_parameters()]
     assert model.lm_head.weight is model.model.embed_tokens.weight  # one Parameter, two uses
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names  # listed once
@@ -124,8 +114,8 @@ def test_task2_tied_lm_head_grad_is_the_sum_of_both_uses(tiny_model):
     assert not embedding_use[~reaches].any()
 
 
-def test_task2_untied_model_has_separate_lm_head_grad(hf_float64, tiny_model):
-    model = tiny_model(torch.float64, tie_word_embeddings=False)
+def test_task2_untied_model_has_separate_lm_head_grad(hf_float64, tiny_qwen2):
+    model = tiny_qwen2(torch.float64, off_init=True, tie_word_embeddings=False)
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     input_ids, labels = batch()
     loss, saved = q2.model_loss_forward(model, input_ids, labels)
@@ -146,10 +136,10 @@ def causal_additive_mask(T, dtype):
 
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, RTOL64), (torch.float32, RTOL32)])
-def test_task2_decoder_layer_matches_hf_layer(request, dtype, rtol, tiny_model):
+def test_task2_decoder_layer_matches_hf_layer(request, dtype, rtol, tiny_qwen2):
     if dtype == torch.float64:
         request.getfixturevalue("hf_float64")
-    model = tiny_model(dtype)
+    model = tiny_qwen2(dtype, off_init=True)
     layer, config = model.model.layers[1], model.config
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(B, T, config.hidden_size, generator=gen, dtype=dtype)
@@ -173,9 +163,9 @@ def test_task2_decoder_layer_matches_hf_layer(request, dtype, rtol, tiny_model):
         close(f"layer.{name}{tag}", dparams[name], p.grad, rtol=rtol)
 
 
-def test_task2_rope_cos_sin_match_hf_rotary_embedding_bitwise(tiny_model):
+def test_task2_rope_cos_sin_match_hf_rotary_embedding_bitwise(tiny_qwen2):
     for dtype in (torch.float32, torch.float64):
-        model = tiny_model(dtype)
+        model = tiny_qwen2(dtype, off_init=True)
         x = torch.zeros(1, T, 32, dtype=dtype)
         cos, sin = model.model.rotary_emb(x, torch.arange(T)[None])
         ours_cos, ours_sin = q2.rope_cos_sin(model.config, T, dtype=dtype)
@@ -198,8 +188,8 @@ def test_task2_rms_norm_forward_is_qwen2_rmsnorm_bitwise_in_low_precision():
 # what backward consumes; refusals
 
 
-def test_task2_saved_inventory_lists_each_tensor_and_sums_to_saved_bytes(tiny_model):
-    model = tiny_model(torch.float32)
+def test_task2_saved_inventory_lists_each_tensor_and_sums_to_saved_bytes(tiny_qwen2):
+    model = tiny_qwen2(torch.float32, off_init=True)
     input_ids, labels = batch()
     _, saved = q2.model_loss_forward(model, input_ids, labels)
     layer_rows = q2.saved_inventory(saved["model.layers"][0])
@@ -216,8 +206,8 @@ def test_task2_saved_inventory_lists_each_tensor_and_sums_to_saved_bytes(tiny_mo
     assert vjp.saved_bytes(saved, exclude=model.parameters()) == vjp.saved_bytes(saved) - referenced
 
 
-def test_task2_model_loss_refuses_padding_mask_and_all_ignored_labels(tiny_model):
-    model = tiny_model(torch.float32)
+def test_task2_model_loss_refuses_padding_mask_and_all_ignored_labels(tiny_qwen2):
+    model = tiny_qwen2(torch.float32, off_init=True)
     input_ids, labels = batch()
     mask = torch.ones(B, T, dtype=torch.long)
     mask[0, -2:] = 0
@@ -228,12 +218,14 @@ def test_task2_model_loss_refuses_padding_mask_and_all_ignored_labels(tiny_model
     q2.model_loss_forward(model, input_ids, labels, attention_mask=torch.ones(B, T))  # all ones is fine
 
 
-def test_task2_unsupported_config_is_refused(tiny_model, tiny_qwen2_config):
+def test_task2_unsupported_config_is_refused(tiny_qwen2, tiny_qwen2_config):
     with pytest.raises(ValueError, match="rope_type"):
         q2.rope_cos_sin(
             tiny_qwen2_config(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), T
         )
-    model = tiny_model(torch.float32, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    model = tiny_qwen2(
+        torch.float32, off_init=True, use_sliding_window=True, sliding_window=4, max_window_layers=1
+    )
     input_ids, labels = batch()
     with pytest.raises(ValueError, match="full"):
         q2.model_loss_forward(model, input_ids, labels)
@@ -243,10 +235,10 @@ def test_task2_unsupported_config_is_refused(tiny_model, tiny_qwen2_config):
 # the float64 reference helper and the benchmark
 
 
-def test_task2_hf_float64_reference_changes_only_float64_and_restores_the_stock_modules(tiny_model):
+def test_task2_hf_float64_reference_changes_only_float64_and_restores_the_stock_modules(tiny_qwen2):
     stock_norm, stock_eager = modeling_qwen2.Qwen2RMSNorm.forward, modeling_qwen2.eager_attention_forward
     input_ids, labels = batch()
-    model32, model64 = tiny_model(torch.float32), tiny_model(torch.float64)
+    model32, model64 = tiny_qwen2(torch.float32, off_init=True), tiny_qwen2(torch.float64, off_init=True)
     stock32, stock64 = model32(input_ids=input_ids).logits, model64(input_ids=input_ids).logits
     with pytest.raises(RuntimeError, match="boom"), q2.hf_float64_reference():
         assert modeling_qwen2.Qwen2RMSNorm.forward is not stock_norm
@@ -273,13 +265,13 @@ def test_task2_benchmark_runs_its_correctness_gate_and_reports_medians(capsys):
 
 
 @pytest.mark.task0  # Task0 shows the float32 islands too
-def test_task0_task2_every_float32_island_is_measured_in_a_float64_model(tiny_model):
-    model, (ids, labels) = tiny_model(torch.float64, attn_implementation="sdpa"), batch()
+def test_task0_task2_every_float32_island_is_measured_in_a_float64_model(tiny_qwen2):
+    model, (ids, labels) = tiny_qwen2(torch.float64, off_init=True, attn_implementation="sdpa"), batch()
     gaps = q2.float32_island_gaps(model, ids, labels)
     assert list(gaps) == list(q2.FLOAT32_ISLANDS) and all(g > 0 for g in gaps.values())
     assert model.config._attn_implementation == "sdpa"  # restored after the eager entry
     with pytest.raises(ValueError, match="float64"):
-        q2.float32_island_gaps(tiny_model(torch.float32), ids, labels)
+        q2.float32_island_gaps(tiny_qwen2(torch.float32, off_init=True), ids, labels)
     with pytest.raises(ValueError, match="can remove only"):
         with q2.hf_float64_reference(islands=("ForCausalLMLoss",)):
             pass

@@ -43,6 +43,7 @@ __all__ = [
     "notebook_client",
     "execute_notebook",
     "kernel_env",
+    "environ_set",
     "merge_streams",
     "Signals",
     "Progress",
@@ -214,6 +215,25 @@ def kernel_env(records_dir: Path) -> dict[str, str]:
         *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)),
     ]
     return {**os.environ, RESULTS_ENV: str(records_dir), "PYTHONPATH": os.pathsep.join(paths)}
+
+
+@contextlib.contextmanager
+def environ_set(variables: dict[str, str], unset: tuple[str, ...] = ()):
+    """While inside, `os.environ` has `variables` set and the names in `unset` removed (a kernel started
+    inside inherits them); on exit every one of those names is back as it was, set or not."""
+    names = (*unset, *variables)
+    saved = {k: os.environ.get(k) for k in names}
+    for k in unset:
+        os.environ.pop(k, None)
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def merge_streams(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:

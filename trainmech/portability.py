@@ -35,7 +35,6 @@ import configparser
 import contextlib
 import json
 import math
-import os
 import platform
 import re
 import sys
@@ -230,18 +229,10 @@ def margins(logs: dict[str, list[dict]], notebook: str) -> tuple[list[Margin], l
 @contextlib.contextmanager
 def environment(variables: dict[str, str]):
     """Set the numeric-path variables (and unset the others) while inside."""
-    saved = {k: os.environ.get(k) for k in PATH_VARIABLES}
-    for k in PATH_VARIABLES:
-        os.environ.pop(k, None)
-    os.environ.update(variables)
-    try:
+    from trainmech.execution import environ_set
+
+    with environ_set(variables, unset=PATH_VARIABLES):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _forget(out_dir: Path, stems: list[str]) -> None:

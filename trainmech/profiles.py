@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trainmech.errors import TrainmechError
+from trainmech.errors import TrainmechError, first_validation_error
 
 __all__ = [
     "PROFILES_DIR",
@@ -137,11 +137,9 @@ def load(profile_id: str, directory: Path | None = None) -> Profile:
         profile = Profile.model_validate(data)
     except tomllib.TOMLDecodeError as e:
         raise TrainmechError(f"profile file {path.name} is malformed: {e}") from None
-    except ValidationError as e:  # the first error only, without pydantic's input dump and URL
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"]) or "profile"
+    except ValidationError as e:
         raise TrainmechError(
-            f"profile file {path.name} is malformed: {where}: {err['msg']} ({len(e.errors())} error(s) in all)"
+            f"profile file {path.name} is malformed: {first_validation_error(e, 'profile')}"
         ) from None
     if profile.profile_id != profile_id:
         raise TrainmechError(f"profile file {path.name} declares profile_id {profile.profile_id!r}")

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainmech import REPO_ROOT
-from trainmech.errors import TrainmechError
+from trainmech.errors import TrainmechError, first_validation_error
 
 __all__ = [
     "REPO_ROOT",
@@ -237,7 +237,7 @@ def validate(data: dict[str, Any]) -> Record:
     try:
         return Record.model_validate({"schema_version": SCHEMA_VERSION, **_plain(data)})
     except ValidationError as e:
-        raise TrainmechError(f"record does not validate: {_first_error(e)}") from None
+        raise TrainmechError(f"record does not validate: {first_validation_error(e, 'record')}") from None
 
 
 def _plain(value: Any) -> Any:
@@ -320,7 +320,9 @@ def read_record(path: Path, run_label: str | None = None) -> Record:
     try:
         record = Record.model_validate(data)
     except ValidationError as e:
-        raise TrainmechError(f"record {shown(path)} is malformed: {_first_error(e)}") from None
+        raise TrainmechError(
+            f"record {shown(path)} is malformed: {first_validation_error(e, 'record')}"
+        ) from None
     if path.name != record.filename:
         raise TrainmechError(
             f"record {shown(path)} has the identity of {record.filename}; a record's file name is its identity"
@@ -355,12 +357,6 @@ def read_run(directory: Path, run_label: str | None = None) -> tuple[list[Record
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(x) for x in err["loc"]) or "record"
-    return _one_line(f"{where}: {err['msg']} ({len(e.errors())} error(s) in all)")
 
 
 def json_schema() -> dict[str, Any]:

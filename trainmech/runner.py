@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmech import execution, parameters, profiles, results, runfolder
-from trainmech.errors import TrainmechError
+from trainmech.errors import TrainmechError, no_cuda
 from trainmech.execution import Interrupted, Job, NotebookResult, Progress, Signals, task_key  # noqa: F401
 from trainmech.results import PARTIAL_SUFFIX, REPO_ROOT, RESULTS_ENV
 
@@ -169,9 +169,7 @@ def run(
         import torch
 
         if not torch.cuda.is_available():
-            raise TrainmechError(
-                f"run mode {run_mode} needs a CUDA GPU and this machine has none; use --mode cpu"
-            )
+            raise no_cuda(f"run mode {run_mode}", "use --mode cpu")
     notebooks_dir = Path(notebooks_dir or NOTEBOOKS_DIR).absolute()  # kernels run in the notebooks' folder
     notebooks = discover(notebooks_dir, only)
     if not notebooks:
@@ -371,16 +369,8 @@ def records_into(folder: str | Path):
     """While inside, kernels started here by nbclient itself (refresh, portability) get the runner's
     kernel environment (execution.kernel_env): records into folder, this checkout's trainmech."""
     env = execution.kernel_env(Path(folder))
-    previous = {name: os.environ.get(name) for name in (RESULTS_ENV, "PYTHONPATH")}
-    os.environ.update({name: env[name] for name in previous})
-    try:
+    with execution.environ_set({name: env[name] for name in (RESULTS_ENV, "PYTHONPATH")}):
         yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[str, str, dict | None]]:

@@ -1,8 +1,4 @@
-"""Autograd's side of Task2's comparisons: the VJP it computes, and the tensors it saves for it.
-
-    run = autograd_vjp(fn, inputs, grad_out, references=(weight,))
-    run.out, run.grads          # fn(*inputs) and d<out, grad_out>/d input, one per input
-    run.saved, run.saved_bytes  # what autograd kept for that backward (SavedStorage rows, bytes)
+"""The autograd probe: what a forward creates, and the tensors autograd saves for its backward.
 
     with record_forward(root=layer, references=layer.parameters()) as m:
         out = layer(x, ...)
@@ -19,6 +15,9 @@ input's storage and are not). Tensors are identified by storage (device + data p
 nodes save it. Every storage seen is held until the block ends, so no address is reused inside it;
 addresses are used as keys only, never printed. `references` (the parameters) are saved by
 reference: listed, but their bytes are not new memory.
+
+Autograd's VJP for a comparison (`autograd_vjp`, `compare_vjp`) lives in trainmech.vjp_check, which
+builds on this probe; the names are also reachable here (loaded on first use), as Task2 imports them.
 """
 
 from __future__ import annotations
@@ -28,10 +27,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_leaves
 
 from trainmech import graph
-from trainmech.checks import ClaimFailed, close, dtype_name
+from trainmech.checks import dtype_name
 from trainmech.display import format_table
 
 __all__ = [
@@ -39,9 +38,7 @@ __all__ = [
     "Activation",
     "ForwardRecord",
     "record_forward",
-    "AutogradVJP",
-    "autograd_vjp",
-    "compare_vjp",
+    "flat_tensors",
     "storage_bytes",
     "storage_summary",
     "describe",
@@ -55,8 +52,9 @@ def _key(t: torch.Tensor) -> tuple[str, int]:
     return str(t.device), t.untyped_storage().data_ptr()
 
 
-def _flat_tensors(obj) -> list[torch.Tensor]:
-    """Every tensor in a tensor / dict / list / tuple nest (e.g. a composed op's saved dict)."""
+def flat_tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a nest of dicts / lists / tuples (e.g. a composed op's saved dict, a pack hook's
+    packed value, a hook's args); other leaves (ints, options, None) are dropped."""
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
@@ -64,7 +62,7 @@ def storage_summary(obj, references=()) -> tuple[int, int, int]:
     """(new storages, reference storages, new bytes) of the tensors in `obj` (a tensor or a nest of
     them, e.g. our saved dict), each storage once; storages shared with `references` are not new."""
     refs = {_key(t) for t in references}
-    sizes = {_key(t): t.untyped_storage().nbytes() for t in _flat_tensors(obj)}
+    sizes = {_key(t): t.untyped_storage().nbytes() for t in flat_tensors(obj)}
     new = [n for k, n in sizes.items() if k not in refs]
     return len(new), len(sizes) - len(new), sum(new)
 
@@ -113,11 +111,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                self.known.add(_key(t))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0 and _key(t) not in self.known:
+        for t in flat_tensors((args, kwargs)):
+            self.known.add(_key(t))
+        for t in flat_tensors(out):
+            if t.untyped_storage().nbytes() > 0 and _key(t) not in self.known:
                 self.known.add(_key(t))
                 self.held.append(t)
                 name = func.overloadpacket.__name__
@@ -135,11 +132,14 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+_OUR_FORWARDS = ("trainmech.vjp", "trainmech.vjp_qwen2")  # the hand-written ops (not vjp_check)
+
+
 def _vjp_function() -> str:
     """The innermost trainmech.vjp* function on the Python stack (labels ops of our own forward)."""
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_globals.get("__name__", "").startswith("trainmech.vjp"):
+        if frame.f_globals.get("__name__", "") in _OUR_FORWARDS:
             return frame.f_code.co_name
         frame = frame.f_back
     return "-"
@@ -201,7 +201,7 @@ class ForwardRecord:
                 for attr in dir(node):
                     if not (attr.startswith("_saved_") or attr == "saved_tensors"):
                         continue
-                    for t in _flat_tensors(getattr(node, attr)):
+                    for t in flat_tensors(getattr(node, attr)):
                         found.setdefault(_key(t), []).append(type(node).__name__)
         for k, row in self._saved.items():
             if k not in found:
@@ -228,7 +228,7 @@ class ForwardRecord:
     def activations_saved_by(self, saved) -> list[Activation]:
         """The activations again, with `saved` telling whether our hand-written `saved` (a dict /
         nest of tensors, alive since the block) holds that storage instead of autograd."""
-        keys = {_key(t) for t in _flat_tensors(saved)}
+        keys = {_key(t) for t in flat_tensors(saved)}
         return [replace(a, saved=a.key in keys) for a in self.activations]
 
     # -- the block ----------------------------------------------------------------------------
@@ -270,56 +270,6 @@ def record_forward(root: torch.nn.Module | None = None, references=()) -> Forwar
     return ForwardRecord(root, references)
 
 
-# ----------------------------------------------------------------------------------------------
-# one op: autograd's VJP and what it saved
-
-
-@dataclass
-class AutogradVJP:
-    out: torch.Tensor
-    grads: tuple[torch.Tensor | None, ...]  # one per input; None for integer / None / constant inputs
-    saved: list[SavedStorage]
-    saved_bytes: int  # references excluded
-
-
-def autograd_vjp(fn, inputs, grad_out, *, constants=(), references=()) -> AutogradVJP:
-    """fn(*inputs) under autograd, then the `(out * grad_out).sum().backward()` trick: the gradient
-    of <out, grad_out> with respect to each input IS the VJP grad_out^T J.
-
-    Float inputs become leaves that share the caller's memory (so `references`, e.g. the weights,
-    are recognised); inputs at the indices in `constants` (rope's cos / sin) get no gradient.
-    """
-    leaves = [
-        t.detach().requires_grad_(True)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and i not in constants
-        else t
-        for i, t in enumerate(inputs)
-    ]
-    with record_forward(references=references) as m:
-        out = fn(*leaves)
-    m.find_consumers(out)
-    (out * grad_out).sum().backward()
-    grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves)
-    return AutogradVJP(out.detach(), grads, m.saved, m.saved_bytes)
-
-
-def compare_vjp(
-    name: str, out: torch.Tensor, grads, run: AutogradVJP, *, rtol: float, input_names=None
-) -> tuple[float, float]:
-    """One `close` line for the output and for each input gradient (ours vs autograd's); raises on
-    a mismatch or where one side has a gradient and the other has not. Returns (max |Δ| of the
-    output, max |Δ| over the gradients)."""
-    input_names = input_names or [f"d{i}" for i in range(len(run.grads))]
-    out_err = close(f"{name}.out", out, run.out, rtol=rtol)
-    grad_err = 0.0
-    for label, ours, ref in zip(input_names, grads, run.grads):
-        if (ours is None) != (ref is None):
-            raise ClaimFailed(f"{name}.{label}: one side has a gradient, the other has none")
-        if ref is not None:
-            grad_err = max(grad_err, close(f"{name}.{label}", ours, ref, rtol=rtol))
-    return out_err, grad_err
-
-
 def describe(saved) -> str:
     """One line naming what a hand-written `saved` dict holds: 'x (2, 16, 64) · weight (64,) · dim=-1'."""
     parts = [
@@ -353,3 +303,16 @@ def activation_table(m: ForwardRecord) -> str:
         ["where", "op", "shape", "bytes", "read by (backward nodes)"],
         [[a.where, a.op, a.shape, a.nbytes, ", ".join(m.consumers_of(a)) or "-"] for a in m.activations],
     )
+
+
+_FROM_VJP_CHECK = ("AutogradVJP", "autograd_vjp", "compare_vjp", "reference_vjp")
+
+
+def __getattr__(name: str):
+    """`saved_state.autograd_vjp` & co. as trainmech.vjp_check's (imported on first use: vjp_check
+    imports this module, so an import at the top would be circular)."""
+    if name in _FROM_VJP_CHECK:
+        from trainmech import vjp_check
+
+        return getattr(vjp_check, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

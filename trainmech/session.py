@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from trainmech import checks, profiles, results, workload
-from trainmech.errors import TrainmechError
+from trainmech.errors import TrainmechError, no_cuda
 from trainmech.results import REPO_ROOT, RESULTS_ENV  # noqa: F401  (re-exported: notebooks import them from here)
 
 __all__ = [
@@ -237,10 +237,7 @@ def start(
     results.check_label(run_label)
     profile = profiles.for_mode(run_mode)
     if profile.device == "cuda" and not torch.cuda.is_available():
-        raise TrainmechError(
-            f"run mode {run_mode} needs a CUDA GPU, but torch {torch.__version__} sees none on this machine; "
-            "use RUN_MODE = 'cpu' here"
-        )
+        raise no_cuda(f"run mode {run_mode}", "use RUN_MODE = 'cpu' here")
     device = (
         torch.device("cuda", torch.cuda.current_device()) if profile.device == "cuda" else torch.device("cpu")
     )

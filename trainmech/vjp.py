@@ -555,6 +555,7 @@ def saved_bytes(saved, *, exclude=()):
     """
     seen = {(t.data_ptr(), t.nbytes) for t in exclude}
     total = 0
+    # tree_leaves, not saved_state.flat_tensors: this module imports no other trainmech module
     for t in tree_leaves(saved):  # every leaf of the dict / list nest; options are leaves too
         if not isinstance(t, torch.Tensor):
             continue

@@ -2,8 +2,8 @@
 
 `@_exercise(id, title)` registers a check into `EXERCISES` when its Task module (task0 … task6) is
 imported; `check(id, fn)` runs it. `_Run.call` calls the learner's function and turns whatever goes
-wrong (a stub, an exception, an input modified in place) into a diagnosis; `_tensor`, `_tuple` and
-`_autograd_vjp` compare what it returned. See the package's docstring for what a learner sees.
+wrong (a stub, an exception, an input modified in place) into a diagnosis; `_tensor` and `_tuple`
+compare what it returned (the autograd reference is `trainmech.vjp_check.reference_vjp`). See the package's docstring for what a learner sees.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ __all__ = [
     "_first_line",
     "_tensor",
     "_tuple",
-    "_autograd_vjp",
     "_tiny_model",
 ]
 
@@ -272,17 +271,6 @@ def _tuple(where: str, out, names: tuple[str, ...]):
         got = f"{type(out).__name__}" + (f"（{len(out)} 项）" if isinstance(out, (tuple, list)) else "")
         raise _Wrong(f"✗ {where}：应返回 {len(names)} 项的元组 ({', '.join(names)})，你返回了 {got}")
     return out
-
-
-def _autograd_vjp(fn, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, wrt: tuple[int, ...]):
-    """fn(*inputs) and the gradients of <fn(*inputs), grad_out> for the inputs at positions `wrt`."""
-    leaves = [
-        t.detach().clone().requires_grad_(i in wrt) if t.is_floating_point() else t
-        for i, t in enumerate(inputs)
-    ]
-    out = fn(*leaves)
-    (out * grad_out).sum().backward()
-    return out.detach(), [leaves[i].grad for i in wrt]
 
 
 def _tiny_model(seed: int = 0, **overrides):

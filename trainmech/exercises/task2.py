@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainmech.exercises.harness import _autograd_vjp, _exercise, _randn, _Run, _tensor, _tuple
+from trainmech.exercises.harness import _exercise, _randn, _Run, _tensor, _tuple
+from trainmech.vjp_check import reference_vjp
 
 __all__: list[str] = []  # nothing to import: the checks register into EXERCISES
 
@@ -22,9 +23,7 @@ def _task2_rms(run: _Run) -> None:
         _, saved = vjp.rms_norm_forward(x, w, eps=eps)
         where = f"输入 {c}（x {tuple(shape)}，w ≠ 1）"
         out = _tuple(where, run.call(where, dict(saved), dy.clone()), ("dx", "dw"))
-        _, (dx_ref, dw_ref) = _autograd_vjp(
-            lambda x_, w_: F.rms_norm(x_, (C,), w_, eps), (x, w), dy, wrt=(0, 1)
-        )
+        _, (dx_ref, dw_ref) = reference_vjp(lambda x_, w_: F.rms_norm(x_, (C,), w_, eps), (x, w), dy)
         rstd = saved["rstd"]
         n = x * rstd
         g = dy * w
@@ -89,7 +88,7 @@ def _task2_attention(run: _Run) -> None:
         where = f"输入 {c}（B={B}, H={H}, Hkv={Hkv}, T={T}, D={D}，因果）"
         out = _tuple(where, run.call(where, dict(saved), dout.clone()), ("dq", "dk", "dv"))
         sdpa = lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)  # noqa: E731
-        _, refs = _autograd_vjp(sdpa, (q, k, v), dout, wrt=(0, 1, 2))
+        _, refs = reference_vjp(sdpa, (q, k, v), dout)
         kinds = [
             ("q̄、k̄ 漏了缩放 s = D^(-1/2)", dict(scaled=False)),
             ("Softmax 反向漏了第二项 −P ⊙ rowsum(P̄ ⊙ P)", dict(rowsum=False)),

@@ -30,7 +30,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-from trainmech.errors import TrainmechError
+from trainmech.errors import TrainmechError, no_cuda
 from trainmech.results import REPO_ROOT
 
 __all__ = [
@@ -253,9 +253,7 @@ def run(
     from trainmech.gpucheck.probe import Probe
 
     if not cpu and not torch.cuda.is_available():
-        raise TrainmechError(
-            "gpu-check needs a CUDA GPU and this machine has none; use --dry-run for the plan or --cpu for a self-test"
-        )
+        raise no_cuda("gpu-check", "use --dry-run for the plan or --cpu for a self-test")
     device = torch.device("cuda", torch.cuda.current_device()) if not cpu else torch.device("cpu")
     out.mkdir(parents=True, exist_ok=True)
     started, t0 = datetime.now(timezone.utc), time.perf_counter()

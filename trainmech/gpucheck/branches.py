@@ -192,7 +192,7 @@ PACKAGE = [
     ),
     Branch(
         "distributed.torchrun",
-        ("distributed._wrap", "distributed.main"),
+        ("rank_update._wrap", "distributed.main"),
         "trainmech.distributed under torchrun with NCCL: the model on the rank's GPU, DDP device_ids, a cuda DeviceMesh",
         check_distributed_torchrun,
         20,
@@ -206,7 +206,7 @@ PACKAGE = [
     ),
     Branch(
         "update.rng",
-        ("update._rng_state", "update._set_rng_state"),
+        ("training_state._rng_state", "training_state._set_rng_state"),
         "the CUDA generator's state saved into and restored from the checkpoint",
         check_rng_resume,
         2,
