@@ -796,6 +796,20 @@ def test_quality_gate_at_its_bound():
     ).passed  # wider for 16 bits
 
 
+def test_quality_gate_prints_a_verdict_and_the_delta_only_when_it_fails():
+    """A noise-level |Δ| moves between numeric paths, digits and power of ten alike: within the bound only the
+    verdict is printed; over it, the number (a failing gate needs it)."""
+    ref = tracing.Trace("r", held_out_before=6.0, held_out_loss=5.0)
+    bound = gates.QUALITY_FRACTION["float32"]
+    for delta in (bound / 3, bound / 3000):  # two powers of ten, one line
+        message = gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.0 + delta)).message
+        assert "|Δ| within the bound 0.0050 nats" in message and "e-" not in message
+    assert "|Δ| = 0, within" in gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.0)).message
+    over = gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.02)).message
+    assert "|Δ| = 0.020, over the bound" in over
+    assert gates.against_bound(float("nan"), 1.0) == "= nan, over"
+
+
 def updates_trace(**kw) -> tracing.Trace:
     base = dict(
         stepped=[True, False, True],

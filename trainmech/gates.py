@@ -83,7 +83,7 @@ __all__ = [
     "gradients_gate",
     "updates_gate",
     "quality_gate",
-    "magnitude",
+    "against_bound",
     "effective_updates",
     "scaler_skips",
     "overflow_skips",
@@ -544,10 +544,13 @@ def updates_gate(
     )
 
 
-def magnitude(x: float) -> str:
-    """A noise-level float as the power of ten just above it ("< 1e-04"), 0 exactly as "0": its size is shown,
-    and its last digits, which another machine's rounding moves, are not."""
-    return "0" if x == 0 else f"< 1e{math.floor(math.log10(x)) + 1:+03d}"
+def against_bound(delta: float, bound: float) -> str:
+    """A noise-level |Δ| as a verdict against its bound: "= 0, within" when exactly 0, "within" when inside (its
+    digits, which another machine's rounding moves, and even its power of ten, are not shown), and the number
+    itself only when over ("= 0.019, over": a failing gate needs it). NaN is over."""
+    if delta == 0:
+        return "= 0, within"
+    return "within" if delta <= bound else f"= {num(delta, 2)}, over"
 
 
 def quality_gate(
@@ -571,7 +574,7 @@ def quality_gate(
         passed,
         evidence,
         f"held-out loss {num(cand.held_out_loss)} vs {num(ref.held_out_loss)}: "
-        f"|Δ| {'= 0' if delta == 0 else magnitude(delta)}, {'within' if passed else 'over'} the bound "
+        f"|Δ| {against_bound(delta, tol.quality_bound)} the bound "
         f"{num(tol.quality_bound, 2)} nats ({tol.quality_from})",
     )
 
