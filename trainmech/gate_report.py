@@ -64,7 +64,7 @@ class Report:
     verdicts: list[Verdict]
     performance: Performance | None
     reference_performance: Performance | None
-    outcome: str | None  # accept / tune / no-gain / reject, or None (no GPU numbers)
+    outcome: str | None  # accept / tune / no-gain / costs-memory / reject, or None (no GPU numbers)
     reason: str
     evidence_level: str
     trace: Trace
@@ -72,7 +72,7 @@ class Report:
 
     @property
     def decision(self) -> str | None:
-        """The record's decision field: accept / tune / reject (no-gain is a reject without a failure)."""
+        """The record's decision field: accept / tune / reject (no-gain and costs-memory are rejects without a failure)."""
         return None if self.outcome is None else RECORD_DECISION[self.outcome]
 
     @property

@@ -21,13 +21,14 @@ all five stages and the report it gives are trainmech.gate_report:
 
     ref = gates.make_reference(gw)                   # the FP32 baseline's trace, and its noise floor
     report = gate_report.judge(candidate, gw, ref)   # gates 1-4, then the measurement, then `decide`
-    report.outcome, report.reason                    # accept / tune / no-gain / reject, or None without GPU numbers
+    report.outcome, report.reason                    # accept / tune / no-gain / costs-memory / reject, or None
 
 Tolerances (`tolerances`) start from the dtype (unit roundoff for gradients, a fraction of the
 training movement for quality) and are checked against the reference's own noise: it is run again
 (run-to-run noise: a tolerance must stand well above it) and with another seed (a changed RNG: a
 tolerance must stay well below it, else an RNG bug would pass). `decide` keeps "wrong" (a failed
-gate: reject) apart from "not worth it" (correct, no memory and no time gained: no-gain), and counts a
+gate: reject) apart from "not worth it" (correct, no memory and no time gained: no-gain) and from "costs
+memory" (correct, nothing gained, and the whole update's peak higher: costs-memory), and counts a
 capacity gain (less memory per sequence of a micro-batch, over its forward + backward) even where the optimizer
 step still peaks as high.
 
@@ -92,6 +93,7 @@ __all__ = [
     "bitwise_equal",
     "DecisionRule",
     "RULE",
+    "timing_spread",
     "decide_measured",
     "decide",
 ]
@@ -123,13 +125,14 @@ SEED_SEPARATION = 3  # … and this far below what another RNG seed changes, or 
 # candidate after the calibrated start overflows rarely; losing more than this means the scale is not settled.
 MAX_SCALER_SKIP_FRACTION = 0.25
 EVIDENCE_LEVEL = {"cpu": "cpu-mechanism", "cuda": "gpu-measured"}
-OUTCOMES = ("accept", "tune", "no-gain", "reject")
+OUTCOMES = ("accept", "tune", "no-gain", "costs-memory", "reject")
 RECORD_DECISION = {
     "accept": "accept",
     "tune": "tune",
     "no-gain": "reject",
+    "costs-memory": "reject",
     "reject": "reject",
-}  # the record's field
+}  # the record's field (accept / tune / reject); `metrics.outcome` keeps the five apart
 
 
 # ----------------------------------------------------------------------------- the reference and its noise
@@ -631,7 +634,9 @@ class DecisionRule:
     recomputation replays the forward, 2·N·T more, x1.33 when compute-bound — but a step is never all matmul
     (attention, norms, the optimizer and copies are not replayed in proportion), so a well-made checkpoint stays
     below that; x1.25 leaves the last twelfth of it to a slow one. min_speedup: a speed gain counts from a tenth
-    of the median on; the GPU run checks the reference's own median spread against it.
+    of the median on — or from the reference's own timing spread, where that is wider (`timing_spread`: its
+    P95 over its median, - 1, from the same interleaved rounds): a speedup the reference's repeated timings
+    show among themselves is noise, not a gain.
 
     The whole update's peak is judged on the allocated bytes, what the update's tensors hold; the reserved peak
     is reported beside it, not judged: after `empty_cache`, two allocation patterns fragment the caching
@@ -652,29 +657,39 @@ class DecisionRule:
 RULE = DecisionRule()
 
 
+def timing_spread(reference: Performance) -> float:
+    """The reference's own timing noise: its P95 step time over its median, - 1 (0 where they are equal), from the
+    rounds timed beside the candidate. A speedup no larger than this is what the reference shows against itself."""
+    return max(reference.step_time_p95_s / reference.step_time_median_s - 1, 0.0)
+
+
 def decide_measured(
     update_drop: float,
     capacity_gain: float,
     time_ratio: float,
     rule: DecisionRule = RULE,
+    time_noise: float = 0.0,
 ) -> str:
-    """accept / tune / no-gain from GPU measurements of a correct candidate.
+    """accept / tune / no-gain / costs-memory from GPU measurements of a correct candidate.
 
     update_drop = 1 - the allocated peak of a whole steady update / the reference's: what decides whether this
     workload fits. capacity_gain = 1 - what one more sequence adds to the forward + backward peak of a
     micro-batch accumulating into a window's gradients / the reference's (`tracing.Performance.bytes_per_row`):
     what the largest micro-batch that fits hinges on, even where the optimizer step peaks as high as before.
-    time_ratio = median update / the reference's.
+    time_ratio = median update / the reference's. time_noise: the reference's timing spread (`timing_spread`); a
+    speedup counts from max(min_speedup, time_noise) on.
     accept: no higher peak (update_drop ≥ -rule.no_higher_slack), and a memory gain (either ≥ min_peak_drop) at
-    ≤ max_time_ratio, or faster by min_speedup. tune: a gain that costs too much (time, or a higher whole-update
-    peak). no-gain: correct, but neither smaller nor faster.
+    ≤ max_time_ratio, or faster. tune: a gain that costs too much (time, or a higher whole-update peak).
+    costs-memory: no gain, and the whole update peaks higher. no-gain: neither smaller nor faster, no higher.
     """
     higher = update_drop < -rule.no_higher_slack
     memory = max(update_drop, capacity_gain) >= rule.min_peak_drop
-    faster = time_ratio <= 1 - rule.min_speedup
+    faster = time_ratio <= 1 - max(rule.min_speedup, time_noise)
     if not higher and ((memory and time_ratio <= rule.max_time_ratio) or faster):
         return "accept"
-    return "tune" if memory or faster else "no-gain"
+    if memory or faster:
+        return "tune"
+    return "costs-memory" if higher else "no-gain"
 
 
 def decide(
@@ -683,24 +698,28 @@ def decide(
     reference: Performance | None,
     rule: DecisionRule = RULE,
 ) -> tuple[str | None, str]:
-    """(outcome, reason). A failed gate rejects on any device: the candidate is wrong. Otherwise accept /
-    tune / no-gain by `decide_measured`, which needs allocator peaks and step times from a GPU: without them,
-    None. The reason gives the reserved peak's change beside the allocated one it judges."""
+    """(outcome, reason). A failed gate rejects on any device: the candidate is wrong. Otherwise accept / tune /
+    no-gain / costs-memory by `decide_measured`, which needs allocator peaks and step times from a GPU: without
+    them, None. The reason gives the reserved peak's change beside the allocated one it judges, and the
+    reference's timing spread a speedup must exceed."""
     failed = next((v for v in verdicts if v.failed), None)
     if failed is not None:
         return "reject", f"{failed.name} gate failed: {failed.message}"
     if perf is None or reference is None or not (perf.on_gpu and reference.on_gpu):
         return None, (
-            "no gate failed; accept, tune or no-gain needs allocator peaks and step times measured on a GPU "
+            "no gate failed; accept, tune, no-gain or costs-memory needs allocator peaks and step times measured on a GPU "
             "(TRAIN-CUDA-MECHANISM), and this run has none"
         )
     update = 1 - perf.peak_allocated_bytes / reference.peak_allocated_bytes
     capacity = 1 - perf.bytes_per_row / reference.bytes_per_row
     ratio = perf.step_time_median_s / reference.step_time_median_s
     reserved = perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1
-    return decide_measured(update, capacity, ratio, rule), (
+    noise = timing_spread(reference)
+    speedup = max(rule.min_speedup, noise)
+    return decide_measured(update, capacity, ratio, rule, noise), (
         f"allocated peak {-update:+.1%} (reserved {reserved:+.1%}, reported, not judged), bytes per sequence "
-        f"{-capacity:+.1%}, median x{ratio:.2f}; accept: allocated peak no higher (≤ +{rule.no_higher_slack:.0%}) and "
-        f"either {-rule.min_peak_drop:+.0%} or lower at ≤ x{rule.max_time_ratio:g}, or median ≤ x{1 - rule.min_speedup:g}; "
-        f"no-gain: neither"
+        f"{-capacity:+.1%}, median x{ratio:.2f} (the reference's own spread: P95 {noise:+.1%} over its median); "
+        f"accept: allocated peak no higher (≤ +{rule.no_higher_slack:.0%}) and either {-rule.min_peak_drop:+.0%} or "
+        f"lower at ≤ x{rule.max_time_ratio:g}, or median ≤ x{1 - speedup:.2f}; costs-memory: no gain and the "
+        f"allocated peak higher; no-gain: neither"
     )

@@ -172,7 +172,7 @@ PACKAGE = [
         ),
         "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks through "
         "measure.allocator_window, the CUDA context and the bytes per sequence in the performance stage; accept / tune / "
-        "no-gain (CPU: the same allocator bookkeeping with the CPU allocator forced)",
+        "no-gain / costs-memory (CPU: the same allocator bookkeeping with the CPU allocator forced)",
         check_gates,
         8,
     ),

@@ -3,7 +3,7 @@
 Each runs one CUDA-only branch at small sizes on a `Probe` (trainmech.gpucheck.probe): activation
 offload on CUDA streams (its hooks never synchronising), torch's save_on_cpu timed by CUDA events, a
 checkpoint candidate judged through the gates (the CUDA RNG, the allocator's peaks, accept / tune /
-no-gain), and Task5's strategy records. Every strategy's gradients are held to the baseline's: bitwise
+no-gain / costs-memory), and Task5's strategy records. Every strategy's gradients are held to the baseline's: bitwise
 on a CPU, within 1e-4 of each gradient's scale on CUDA.
 """
 
