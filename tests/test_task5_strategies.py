@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from trainmech import checkpointing as C
 from trainmech import ledger, measure
 from trainmech.errors import TrainmechError
+from trainmech.gpucheck import limits
 from trainmech.ledger import scenarios
 from trainmech.offload import (
     ActivationOffload,
@@ -562,6 +563,26 @@ def test_cuda_copy_path_on_host_streams_is_bitwise_and_waits_before_every_drop_a
         assert log[at - 3] == ("wait_stream", "h2d", "compute")
         waits, uses = _at(log, ("wait_event", "compute", end)), _at(log, ("note", "use", entry))
         assert len(waits) == 1 and uses and waits[0] < uses[0]  # waited once, before the first use
+
+
+def test_the_offload_bound_stands_on_the_schedule_the_copy_path_runs(model, batch):
+    """limits.offload_bound lets D2H hide behind the forward only and adds the H2D that outlasts the backward:
+    true only while the compute stream waits for every D2H before the first H2D is queued. Checked on the
+    copy path's own log, with the bound at a known case."""
+    streams, *_ = _host_streams_step(model, batch)
+    log = streams.log
+    d2h, h2d = _copies(log, "d2h"), _copies(log, "h2d")
+    last_d2h_wait = max(_at(log, ("wait_event", "compute", end))[0] for _s, end, _a in d2h.values())
+    assert last_d2h_wait < min(at for _s, _e, at in h2d.values())
+    bound = limits.offload_bound(
+        {"d2h_gbps": 40.0, "h2d_gbps": 50.0},
+        {"forward_s": 0.1, "backward_s": 0.2, "step_s": 0.35},
+        d2h_bytes=8 * 10**9,
+        h2d_bytes=12 * 10**9,
+    )  # D2H 0.2 s under a 0.1 s forward, H2D 0.24 s under a 0.2 s backward: 0.1 + 0.04 exposed, added
+    assert bound["exposed_transfer_bound_s"] == pytest.approx(0.14)
+    assert bound["serial_ratio_bound"] == pytest.approx((0.35 + 0.2 + 0.24) / 0.35)
+    assert "OffloadBook.start_backward" in bound["assumes"] and "lower bound" in bound["assumes"]
 
 
 def test_host_streams_out_of_order_names_a_release_before_its_wait(model, batch):
