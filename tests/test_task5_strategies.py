@@ -257,6 +257,23 @@ def test_inplace_on_checkpoint_input_is_caught():
         out.sum().backward()
 
 
+def test_checkpoint_saves_its_positional_tensors_only_and_a_keyword_tensor_escapes_every_hook():
+    """What Task5 §2.4 and Task6's nested-hooks cell say of torch.utils.checkpoint (non-reentrant): the positional
+    tensors are saved tensors (an outer hook, the offload's, packs them; their version is checked), a keyword
+    argument's tensor is held by the replay's closure — no outer hook sees it, and changing it in place is not
+    refused: the replay silently computes with the new values."""
+    torch.manual_seed(0)
+    x, scale = torch.randn(4, 8, requires_grad=True), torch.randn(8)
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        out = checkpoint(lambda h, *, s: (h * s).tanh(), x, s=scale, use_reentrant=False)
+    assert len(seen) == 1 and seen[0] is x  # the positional input, and nothing else
+    (expected,) = torch.autograd.grad(out.sum(), x, retain_graph=True)
+    scale.mul_(2.0)  # in place on the keyword tensor: no version to check
+    (silently_wrong,) = torch.autograd.grad(out.sum(), x)
+    assert not torch.equal(silently_wrong, expected)
+
+
 def test_inplace_on_outside_state_is_silent_but_wrong():
     torch.manual_seed(0)
     w, x = torch.randn(8, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
