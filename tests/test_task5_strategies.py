@@ -470,6 +470,34 @@ def test_offload_holds_each_group_until_the_group_after_next_starts(model, batch
     hooks.finish()
 
 
+@pytest.mark.parametrize("make", ["activation_offload", "save_on_cpu"])
+def test_each_saved_reference_is_read_back_once_and_a_forgotten_one_is_counted(make):
+    """`unpacked == packed` and `unpacked_again == 0` are measured, not a balance: a saved tensor whose node's
+    backward never runs is never read back, and a second backward over a kept graph reads references again."""
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def hooks():
+        if make == "save_on_cpu":
+            return CountingSaveOnCpu("cpu")
+        return ActivationOffload("cpu", keep=[w], min_bytes=1, arena=HostArena(pinned=False))
+
+    x = torch.randn(8, 64, requires_grad=True)
+    with (h := hooks()):
+        used, unused = (x @ w).tanh(), (x * 2).sin()  # the second feeds no loss: its backward never runs
+    used.sum().backward()
+    stats = h.finish()
+    assert stats.packed >= 3 and stats.unpacked == stats.packed - 1 and stats.unpacked_again == 0
+    with (h := hooks()):
+        y = (x @ w).tanh()
+    y.sum().backward(retain_graph=make == "save_on_cpu")
+    if make == "save_on_cpu":  # ActivationOffload refuses a second read (test_offload_refuses_…)
+        y.sum().backward()
+    stats = h.finish()
+    assert stats.unpacked == stats.packed
+    assert stats.unpacked_again == (stats.packed if make == "save_on_cpu" else 0)
+    del unused
+
+
 def test_offload_restores_bitwise_and_leaves_params_and_small_in_place(model, batch):
     offload = activation_offload(model, min_bytes=HIDDEN // 2, arena=HostArena(pinned=False))
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -478,15 +506,12 @@ def test_offload_restores_bitwise_and_leaves_params_and_small_in_place(model, ba
 
     def spy(t):
         packed = pack(t)
-        if isinstance(packed[0], int):
-            same = (
-                packed[1].data_ptr() == t.data_ptr()
-                and packed[1].shape == t.shape
-                and packed[1].stride() == t.stride()
-            )
+        _ref, where, item = packed
+        if isinstance(where, int):
+            same = item.data_ptr() == t.data_ptr() and item.shape == t.shape and item.stride() == t.stride()
             kept.append(
                 (
-                    same and not packed[1].requires_grad,
+                    same and not item.requires_grad,
                     t.untyped_storage().data_ptr() in param_ptrs,
                     t.untyped_storage().nbytes(),
                 )

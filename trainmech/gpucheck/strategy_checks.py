@@ -78,7 +78,10 @@ def check_offload(probe: Probe) -> str:
     same, how = same_gradients(probe, ours, ref)
     require(same, f"gradients under ActivationOffload differ from the baseline ({how})")
     require(
-        st.d2h_bytes == st.h2d_bytes > 0 and st.prefetched > 0 and st.on_demand == 0,
+        st.d2h_bytes > 0
+        and st.prefetched == st.offloaded
+        and st.on_demand == st.fetched_unused == st.unpacked_again == 0
+        and st.unpacked == st.packed,
         f"transfer bookkeeping: {st}",
     )
     require(
@@ -141,7 +144,9 @@ def check_save_on_cpu(probe: Probe) -> str:
     require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
     saved = _saved_references(model, batch)
     require(
-        st.packed == len(saved) and st.d2h_bytes == st.h2d_bytes == sum(saved),
+        st.packed == len(saved) == st.unpacked
+        and st.unpacked_again == 0
+        and st.d2h_bytes == st.h2d_bytes == sum(saved),
         f"save_on_cpu counted {st.packed} references, {st.d2h_bytes:,} B; a plain pair of hooks saw "
         f"{len(saved)}, {sum(saved):,} B",
     )
