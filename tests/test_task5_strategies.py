@@ -799,3 +799,32 @@ def test_strategy_timelines_figure():
     assert (
         len(fig.axes[0].get_lines()) == 3 and len(fig.axes[1].get_lines()) == 2
     )  # curve, peak star, ledger line
+
+
+def test_record_lines_name_the_peak_field_once_per_experiment_and_print_what_the_record_holds():
+    from types import SimpleNamespace as NS
+
+    from trainmech import strategy_records
+
+    def record(sid, wid, **metrics):
+        return NS(
+            identity=NS(semantic_id=sid, workload_id=wid),
+            resources=NS(peak_allocated_bytes=None, recompute_count=128, transfer_bytes=1234567),
+            conclusion=NS(decision=None),
+            metrics=metrics,
+        )
+
+    records = [
+        record("TRAIN-CHECKPOINT", "w.a", cpu_tracked_peak_bytes=6521608),
+        record("TRAIN-CHECKPOINT", "w.b", cpu_tracked_peak_bytes=7890952),
+        record("TRAIN-OFFLOAD", "w.c", exposed_transfer_time_s=0.0123456),
+    ]
+    lines = strategy_records.record_lines(records)
+    heads = [line for line in lines if not line.startswith(" ")]
+    assert [h.split(" — ")[0] for h in heads] == ["TRAIN-CHECKPOINT", "TRAIN-OFFLOAD"]
+    assert "metrics.cpu_tracked_peak_bytes" in heads[0] and "not Task4's count" in heads[0]
+    assert "    metrics.cpu_tracked_peak_bytes = 6,521,608" in lines
+    assert "    resources.peak_allocated_bytes = null" in lines and "    metrics.outcome = null" in lines
+    assert "    metrics.exposed_transfer_time_s = 0.0123" in lines  # a time: three digits
+    assert "    resources.transfer_bytes = 1,234,567" in lines
+    assert set(strategy_records.RECORD_FIELDS) == set(strategy_records.PEAK_FIELD)
