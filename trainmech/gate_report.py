@@ -3,7 +3,7 @@
 `judge` runs a candidate through the gate workload beside the reference (trainmech.gates holds the
 reference, its noise floor, the four gates and the decision rule): gates 1-4 in order up to the first
 that fails, then, only if all four passed, the fifth stage's paired measurement (`performance_verdict`:
-a measurement, never a pass or a fail), then `gates.decide`. Its `Report` is what a notebook prints
+a measurement, never a pass or a fail), then `decision.decide`. Its `Report` is what a notebook prints
 (`lines`; `stages` for the gate matrix) and records (`record_fields`); `planted_record_fields` is the
 record of the planted bugs, `strategy_table` the quality-capacity-time table of the candidates that
 reached the performance stage.
@@ -21,25 +21,25 @@ from dataclasses import dataclass
 
 from trainmech.candidates import Candidate, GateWorkload
 from trainmech.checks import num
+from trainmech.decision import RECORD_DECISION, decide
 from trainmech.gates import (
     EVIDENCE_LEVEL,
     GATES,
     GRAD_RTOL,
     MAX_SCALER_SKIP_FRACTION,
     QUALITY_FRACTION,
-    RECORD_DECISION,
     Reference,
     Tolerances,
     Verdict,
     against_bound,
     correctness_gate,
-    decide,
     effective_updates,
     movement,
     overflow_skips,
     scaler_skips,
 )
-from trainmech.tracing import Performance, Trace, remeasure, run_trace
+from trainmech.performance import Performance, remeasure
+from trainmech.tracing import Trace, run_trace
 
 __all__ = [
     "Report",

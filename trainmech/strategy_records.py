@@ -1,11 +1,11 @@
 """Task5's experiments as result objects, each writing its own record fields.
 
     run = StrategyRun("hf-checkpoint", "TRAIN-CHECKPOINT", updates, trace, verdict, recompute=count, …)
-    run.performance, run.reference_performance = tracing.remeasure(plain, baseline, gw, …)
+    run.performance, run.reference_performance = performance.remeasure(plain, baseline, gw, …)
     session.record("TRAIN-CHECKPOINT", f"{wid}.{run.name}", candidate=run.name, **common, **run.record_fields())
     session.record("TRAIN-STATE-LEDGER", …, **ledger_fields(book, step, baseline_step, …))
 
-Peaks and times follow the fifth stage of the gates (trainmech.tracing.Performance): on CUDA the
+Peaks and times follow the fifth stage of the gates (trainmech.performance.Performance): on CUDA the
 allocator's reserved and allocated peaks of a steady update and its forward + backward, medians and
 P95 of interleaved timed updates; on a CPU the same step times are recorded (a CPU run's cost, no
 GPU evidence, never printed) and the allocator fields are null, the tracked tensor bytes going to
@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainmech import gates, ledger
+from trainmech import decision, ledger
 from trainmech.checkpointing import RecomputeCount
 from trainmech.checks import num
 from trainmech.gates import Verdict
 from trainmech.ledger.compare import MEASURED_PEAK_WITH
 from trainmech.offload import TransferStats
-from trainmech.tracing import Performance, Trace
+from trainmech.performance import Performance
+from trainmech.tracing import Trace
 
 __all__ = [
     "MEASURED_WITH",
@@ -61,8 +62,8 @@ class StrategyRun:
     offload_settings: dict | None = None  # min_bytes, prefetch_groups, … as the strategy ran
 
     def decision(self) -> tuple[str | None, str]:
-        """gates.decide on gate 2's verdict and the paired measurement (None without GPU numbers)."""
-        return gates.decide([self.verdict], self.performance, self.reference_performance)
+        """decision.decide on gate 2's verdict and the paired measurement (None without GPU numbers)."""
+        return decision.decide([self.verdict], self.performance, self.reference_performance)
 
     def record_fields(self, next_step: str) -> dict:
         p, ref, e = self.performance, self.reference_performance, self.verdict.evidence
@@ -139,7 +140,7 @@ class StrategyRun:
             },
             "resources": resources,
             "conclusion": {
-                "decision": None if outcome is None else gates.RECORD_DECISION[outcome],
+                "decision": None if outcome is None else decision.RECORD_DECISION[outcome],
                 "next_step": next_step,
             },
             "metrics": metrics,

@@ -169,7 +169,7 @@ def check_save_on_cpu(probe: Probe) -> str:
 
 
 def check_gates(probe: Probe) -> str:
-    from trainmech import candidates, gate_report, gates, tracing
+    from trainmech import candidates, gate_report, gates, performance
 
     gw = candidates.gate_workload(
         probe.model(),
@@ -224,7 +224,7 @@ def check_gates(probe: Probe) -> str:
         require(
             all(e == 0 for e in worst), f"a CPU replays bitwise, yet the worst errors per window are {worst}"
         )
-        forced, _ = tracing.remeasure(
+        forced, _ = performance.remeasure(
             report.candidate, reference.candidate, gw, warmup=1, repeats=1, allocator="cpu-profiler"
         )
         ratio = forced.peak_allocated_bytes / forced.tracked_peak_bytes
@@ -239,7 +239,7 @@ def check_gates(probe: Probe) -> str:
 
 
 def check_strategy_records(probe: Probe) -> str:
-    from trainmech import candidates, gates, strategy_records, tracing
+    from trainmech import candidates, gates, performance, strategy_records, tracing
     from trainmech.ledger.compare import MEASURED_PEAK_WITH
 
     model = probe.model()
@@ -253,7 +253,9 @@ def check_strategy_records(probe: Probe) -> str:
         "hf-checkpoint", "TRAIN-CHECKPOINT", 2, trace, gates.gradients_gate(base, trace, "float32")
     )
     require(run.verdict.passed, run.verdict.message)
-    run.performance, run.reference_performance = tracing.remeasure(cand, baseline, gw, warmup=1, repeats=2)
+    run.performance, run.reference_performance = performance.remeasure(
+        cand, baseline, gw, warmup=1, repeats=2
+    )
     fields = run.record_fields("gpu-check")
     state = gw.fresh_state(baseline)
     baseline.backward(state, gw.windows[0])
