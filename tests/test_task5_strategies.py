@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from trainmech import checkpointing as C
 from trainmech import ledger, measure
 from trainmech.errors import TrainmechError
+from trainmech.gpucheck import limits
 from trainmech.ledger import scenarios
 from trainmech.offload import (
     ActivationOffload,
@@ -256,6 +257,23 @@ def test_inplace_on_checkpoint_input_is_caught():
         out.sum().backward()
 
 
+def test_checkpoint_saves_its_positional_tensors_only_and_a_keyword_tensor_escapes_every_hook():
+    """What Task5 §2.4 and Task6's nested-hooks cell say of torch.utils.checkpoint (non-reentrant): the positional
+    tensors are saved tensors (an outer hook, the offload's, packs them; their version is checked), a keyword
+    argument's tensor is held by the replay's closure — no outer hook sees it, and changing it in place is not
+    refused: the replay silently computes with the new values."""
+    torch.manual_seed(0)
+    x, scale = torch.randn(4, 8, requires_grad=True), torch.randn(8)
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        out = checkpoint(lambda h, *, s: (h * s).tanh(), x, s=scale, use_reentrant=False)
+    assert len(seen) == 1 and seen[0] is x  # the positional input, and nothing else
+    (expected,) = torch.autograd.grad(out.sum(), x, retain_graph=True)
+    scale.mul_(2.0)  # in place on the keyword tensor: no version to check
+    (silently_wrong,) = torch.autograd.grad(out.sum(), x)
+    assert not torch.equal(silently_wrong, expected)
+
+
 def test_inplace_on_outside_state_is_silent_but_wrong():
     torch.manual_seed(0)
     w, x = torch.randn(8, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
@@ -452,6 +470,34 @@ def test_offload_holds_each_group_until_the_group_after_next_starts(model, batch
     hooks.finish()
 
 
+@pytest.mark.parametrize("make", ["activation_offload", "save_on_cpu"])
+def test_each_saved_reference_is_read_back_once_and_a_forgotten_one_is_counted(make):
+    """`unpacked == packed` and `unpacked_again == 0` are measured, not a balance: a saved tensor whose node's
+    backward never runs is never read back, and a second backward over a kept graph reads references again."""
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def hooks():
+        if make == "save_on_cpu":
+            return CountingSaveOnCpu("cpu")
+        return ActivationOffload("cpu", keep=[w], min_bytes=1, arena=HostArena(pinned=False))
+
+    x = torch.randn(8, 64, requires_grad=True)
+    with (h := hooks()):
+        used, unused = (x @ w).tanh(), (x * 2).sin()  # the second feeds no loss: its backward never runs
+    used.sum().backward()
+    stats = h.finish()
+    assert stats.packed >= 3 and stats.unpacked == stats.packed - 1 and stats.unpacked_again == 0
+    with (h := hooks()):
+        y = (x @ w).tanh()
+    y.sum().backward(retain_graph=make == "save_on_cpu")
+    if make == "save_on_cpu":  # ActivationOffload refuses a second read (test_offload_refuses_…)
+        y.sum().backward()
+    stats = h.finish()
+    assert stats.unpacked == stats.packed
+    assert stats.unpacked_again == (stats.packed if make == "save_on_cpu" else 0)
+    del unused
+
+
 def test_offload_restores_bitwise_and_leaves_params_and_small_in_place(model, batch):
     offload = activation_offload(model, min_bytes=HIDDEN // 2, arena=HostArena(pinned=False))
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -460,15 +506,12 @@ def test_offload_restores_bitwise_and_leaves_params_and_small_in_place(model, ba
 
     def spy(t):
         packed = pack(t)
-        if isinstance(packed[0], int):
-            same = (
-                packed[1].data_ptr() == t.data_ptr()
-                and packed[1].shape == t.shape
-                and packed[1].stride() == t.stride()
-            )
+        _ref, where, item = packed
+        if isinstance(where, int):
+            same = item.data_ptr() == t.data_ptr() and item.shape == t.shape and item.stride() == t.stride()
             kept.append(
                 (
-                    same and not packed[1].requires_grad,
+                    same and not item.requires_grad,
                     t.untyped_storage().data_ptr() in param_ptrs,
                     t.untyped_storage().nbytes(),
                 )
@@ -562,6 +605,26 @@ def test_cuda_copy_path_on_host_streams_is_bitwise_and_waits_before_every_drop_a
         assert log[at - 3] == ("wait_stream", "h2d", "compute")
         waits, uses = _at(log, ("wait_event", "compute", end)), _at(log, ("note", "use", entry))
         assert len(waits) == 1 and uses and waits[0] < uses[0]  # waited once, before the first use
+
+
+def test_the_offload_bound_stands_on_the_schedule_the_copy_path_runs(model, batch):
+    """limits.offload_bound lets D2H hide behind the forward only and adds the H2D that outlasts the backward:
+    true only while the compute stream waits for every D2H before the first H2D is queued. Checked on the
+    copy path's own log, with the bound at a known case."""
+    streams, *_ = _host_streams_step(model, batch)
+    log = streams.log
+    d2h, h2d = _copies(log, "d2h"), _copies(log, "h2d")
+    last_d2h_wait = max(_at(log, ("wait_event", "compute", end))[0] for _s, end, _a in d2h.values())
+    assert last_d2h_wait < min(at for _s, _e, at in h2d.values())
+    bound = limits.offload_bound(
+        {"d2h_gbps": 40.0, "h2d_gbps": 50.0},
+        {"forward_s": 0.1, "backward_s": 0.2, "step_s": 0.35},
+        d2h_bytes=8 * 10**9,
+        h2d_bytes=12 * 10**9,
+    )  # D2H 0.2 s under a 0.1 s forward, H2D 0.24 s under a 0.2 s backward: 0.1 + 0.04 exposed, added
+    assert bound["exposed_transfer_bound_s"] == pytest.approx(0.14)
+    assert bound["serial_ratio_bound"] == pytest.approx((0.35 + 0.2 + 0.24) / 0.35)
+    assert "OffloadBook.start_backward" in bound["assumes"] and "lower bound" in bound["assumes"]
 
 
 def test_host_streams_out_of_order_names_a_release_before_its_wait(model, batch):
@@ -736,3 +799,32 @@ def test_strategy_timelines_figure():
     assert (
         len(fig.axes[0].get_lines()) == 3 and len(fig.axes[1].get_lines()) == 2
     )  # curve, peak star, ledger line
+
+
+def test_record_lines_name_the_peak_field_once_per_experiment_and_print_what_the_record_holds():
+    from types import SimpleNamespace as NS
+
+    from trainmech import strategy_records
+
+    def record(sid, wid, **metrics):
+        return NS(
+            identity=NS(semantic_id=sid, workload_id=wid),
+            resources=NS(peak_allocated_bytes=None, recompute_count=128, transfer_bytes=1234567),
+            conclusion=NS(decision=None),
+            metrics=metrics,
+        )
+
+    records = [
+        record("TRAIN-CHECKPOINT", "w.a", cpu_tracked_peak_bytes=6521608),
+        record("TRAIN-CHECKPOINT", "w.b", cpu_tracked_peak_bytes=7890952),
+        record("TRAIN-OFFLOAD", "w.c", exposed_transfer_time_s=0.0123456),
+    ]
+    lines = strategy_records.record_lines(records)
+    heads = [line for line in lines if not line.startswith(" ")]
+    assert [h.split(" — ")[0] for h in heads] == ["TRAIN-CHECKPOINT", "TRAIN-OFFLOAD"]
+    assert "metrics.cpu_tracked_peak_bytes" in heads[0] and "not Task4's count" in heads[0]
+    assert "    metrics.cpu_tracked_peak_bytes = 6,521,608" in lines
+    assert "    resources.peak_allocated_bytes = null" in lines and "    metrics.outcome = null" in lines
+    assert "    metrics.exposed_transfer_time_s = 0.0123" in lines  # a time: three digits
+    assert "    resources.transfer_bytes = 1,234,567" in lines
+    assert set(strategy_records.RECORD_FIELDS) == set(strategy_records.PEAK_FIELD)

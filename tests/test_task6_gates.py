@@ -796,6 +796,20 @@ def test_quality_gate_at_its_bound():
     ).passed  # wider for 16 bits
 
 
+def test_quality_gate_prints_a_verdict_and_the_delta_only_when_it_fails():
+    """A noise-level |Δ| moves between numeric paths, digits and power of ten alike: within the bound only the
+    verdict is printed; over it, the number (a failing gate needs it)."""
+    ref = tracing.Trace("r", held_out_before=6.0, held_out_loss=5.0)
+    bound = gates.QUALITY_FRACTION["float32"]
+    for delta in (bound / 3, bound / 3000):  # two powers of ten, one line
+        message = gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.0 + delta)).message
+        assert "|Δ| within the bound 0.0050 nats" in message and "e-" not in message
+    assert "|Δ| = 0, within" in gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.0)).message
+    over = gates.quality_gate(ref, tracing.Trace("c", held_out_loss=5.02)).message
+    assert "|Δ| = 0.020, over the bound" in over
+    assert gates.against_bound(float("nan"), 1.0) == "= nan, over"
+
+
 def updates_trace(**kw) -> tracing.Trace:
     base = dict(
         stepped=[True, False, True],
@@ -854,11 +868,24 @@ def test_updates_gate_checks_every_clock(change, fragment):
         (-0.0101, 0.0, 0.80, "tune"),  # faster, but a higher peak
         (-0.05, 0.81, 1.0, "tune"),  # less per sequence, but the whole update peaks higher
         (0.0, 0.0, 1.0, "no-gain"),  # correct, neither smaller nor faster: not worth it, not wrong
-        (-0.2, 0.0, 1.5, "no-gain"),
+        (0.0, 0.0, 1.5, "no-gain"),  # slower, no larger: still not worth it
+        (-0.2, 0.0, 1.5, "costs-memory"),  # correct, nothing gained, and the whole update peaks higher
+        (-0.0101, 0.05, 1.0, "costs-memory"),  # just past the slack, a capacity change below min_peak_drop
+        (-0.0099, 0.0, 1.0, "no-gain"),  # within the slack: no higher
     ],
 )
 def test_decide_measured_at_its_boundaries(update_drop, capacity, ratio, outcome):
     assert gates.decide_measured(update_drop, capacity, ratio) == outcome
+
+
+def test_a_speedup_counts_only_past_the_references_own_timing_spread():
+    """min_speedup is the floor; where the reference's P95 lies further above its median, a speedup must clear
+    that spread too, or the reference against itself would show it."""
+    assert gates.decide_measured(0.0, 0.0, 0.85) == "accept"
+    assert gates.decide_measured(0.0, 0.0, 0.85, time_noise=0.2) == "no-gain"
+    assert gates.decide_measured(0.0, 0.0, 0.79, time_noise=0.2) == "accept"
+    assert gates.decide_measured(0.0, 0.0, 0.85, time_noise=0.05) == "accept"  # a spread below the floor
+    assert gates.decide_measured(-0.2, 0.0, 0.85, time_noise=0.2) == "costs-memory"
 
 
 @pytest.mark.parametrize(
@@ -912,7 +939,13 @@ def test_decide_keeps_wrong_and_not_worth_it_apart_and_decides_nothing_from_cpu_
     assert gates.decide(passed, perf(median=1.0, peak=1000), perf())[0] == "no-gain"
     assert gates.decide(passed, perf(median=0.8, peak=1005), perf())[0] == "accept"  # within the slack
     assert gates.decide(passed, perf(median=0.8, peak=1020), perf())[0] == "tune"
-    assert gates.RECORD_DECISION["no-gain"] == "reject"
+    assert gates.decide(passed, perf(median=1.0, peak=1200), perf())[0] == "costs-memory"
+    assert gates.RECORD_DECISION["no-gain"] == gates.RECORD_DECISION["costs-memory"] == "reject"
+    noisy = replace(perf(), step_time_p95_s=1.3)  # the reference's P95 30 % above its median
+    assert gates.timing_spread(noisy) == pytest.approx(0.3)
+    outcome, reason = gates.decide(passed, perf(median=0.8), noisy)
+    assert outcome == "no-gain" and "P95 +30.0% over its median" in reason and "median ≤ x0.70" in reason
+    assert gates.decide(passed, perf(median=0.65), noisy)[0] == "accept"
 
 
 def test_decide_judges_the_allocated_peak_and_reports_the_reserved_one_beside_it():

@@ -3,7 +3,7 @@
 `judge` runs a candidate through the gate workload beside the reference (trainmech.gates holds the
 reference, its noise floor, the four gates and the decision rule): gates 1-4 in order up to the first
 that fails, then, only if all four passed, the fifth stage's paired measurement (`performance_verdict`:
-a measurement, never a pass or a fail), then `gates.decide`. Its `Report` is what a notebook prints
+a measurement, never a pass or a fail), then `decision.decide`. Its `Report` is what a notebook prints
 (`lines`; `stages` for the gate matrix) and records (`record_fields`); `planted_record_fields` is the
 record of the planted bugs, `strategy_table` the quality-capacity-time table of the candidates that
 reached the performance stage.
@@ -21,25 +21,25 @@ from dataclasses import dataclass
 
 from trainmech.candidates import Candidate, GateWorkload
 from trainmech.checks import num
+from trainmech.decision import RECORD_DECISION, decide
 from trainmech.gates import (
     EVIDENCE_LEVEL,
     GATES,
     GRAD_RTOL,
     MAX_SCALER_SKIP_FRACTION,
     QUALITY_FRACTION,
-    RECORD_DECISION,
     Reference,
     Tolerances,
     Verdict,
+    against_bound,
     correctness_gate,
-    decide,
     effective_updates,
-    magnitude,
     movement,
     overflow_skips,
     scaler_skips,
 )
-from trainmech.tracing import Performance, Trace, remeasure, run_trace
+from trainmech.performance import Performance, remeasure
+from trainmech.tracing import Trace, run_trace
 
 __all__ = [
     "Report",
@@ -64,7 +64,7 @@ class Report:
     verdicts: list[Verdict]
     performance: Performance | None
     reference_performance: Performance | None
-    outcome: str | None  # accept / tune / no-gain / reject, or None (no GPU numbers)
+    outcome: str | None  # accept / tune / no-gain / costs-memory / reject, or None (no GPU numbers)
     reason: str
     evidence_level: str
     trace: Trace
@@ -72,7 +72,7 @@ class Report:
 
     @property
     def decision(self) -> str | None:
-        """The record's decision field: accept / tune / reject (no-gain is a reject without a failure)."""
+        """The record's decision field: accept / tune / reject (no-gain and costs-memory are rejects without a failure)."""
         return None if self.outcome is None else RECORD_DECISION[self.outcome]
 
     @property
@@ -328,7 +328,7 @@ def planted_record_fields(
 
 def strategy_table(reference: Performance, reports: dict[str, Report]) -> str:
     """The quality-capacity-time table of TRAIN-MEMORY-STRATEGY: one line per candidate that reached the
-    performance stage. Quality: |Δ| of the held-out loss against the reference, beside its bound. Capacity:
+    performance stage. Quality: |Δ| of the held-out loss against the reference, as a verdict beside its bound. Capacity:
     the tracked tensor bytes of one steady update at their peak (before the optimizer step, and over the whole
     update), the bytes per sequence (what one more sequence adds to a micro-batch's forward + backward peak),
     on a GPU the allocator's reserved and allocated peaks of the whole update. Time: the median against the
@@ -337,7 +337,7 @@ def strategy_table(reference: Performance, reports: dict[str, Report]) -> str:
     change = lambda v, ref: f"{v / ref - 1:+.0%}"  # noqa: E731
     gpu = reference.on_gpu
     head = (
-        f"{'candidate':<20} {'|Δ held-out|':>12} {'bound':>8} {'tracked fwd+bwd':>16} {'vs ref':>7} "
+        f"{'candidate':<20} {'|Δ held-out|':>13} {'bound':>8} {'tracked fwd+bwd':>16} {'vs ref':>7} "
         f"{'tracked update':>15} {'vs ref':>7} {'B/sequence':>11} {'vs ref':>7} {'peak reserved':>14} "
         f"{'peak allocated':>15} {'median x':>9} {'P95 s':>8}  outcome"
     )
@@ -345,7 +345,7 @@ def strategy_table(reference: Performance, reports: dict[str, Report]) -> str:
     def row(name, p, delta, bound, ratio, outcome, changes=True):
         ref = reference
         return (
-            f"{name:<20} {delta:>12} {bound:>8} {p.tracked_forward_backward_bytes:>16,} "
+            f"{name:<20} {delta:>13} {bound:>8} {p.tracked_forward_backward_bytes:>16,} "
             f"{change(p.tracked_forward_backward_bytes, ref.tracked_forward_backward_bytes) if changes else '':>7} "
             f"{p.tracked_peak_bytes:>15,} {change(p.tracked_peak_bytes, ref.tracked_peak_bytes) if changes else '':>7} "
             f"{p.bytes_per_row:>11,} {change(p.bytes_per_row, ref.bytes_per_row) if changes else '':>7} "
@@ -353,9 +353,13 @@ def strategy_table(reference: Performance, reports: dict[str, Report]) -> str:
             f"{cell(p.step_time_p95_s if gpu else None, '.4f'):>8}  {outcome}"
         )
 
-    lines = [head, row("fp32-baseline", reference, "0", "", 1.0 if gpu else None, "", changes=False)]
+    lines = [head, row("fp32-baseline", reference, "", "", 1.0 if gpu else None, "", changes=False)]
     for name, r in reports.items():
         p, q = r.performance, r.verdict("quality").evidence
         ratio = p.step_time_median_s / r.reference_performance.step_time_median_s if gpu else None
-        lines.append(row(name, p, magnitude(q["delta"]), num(q["bound"], 2), ratio, r.outcome or "null"))
+        lines.append(
+            row(
+                name, p, against_bound(q["delta"], q["bound"]), num(q["bound"], 2), ratio, r.outcome or "null"
+            )
+        )
     return "\n".join(lines)

@@ -15,19 +15,20 @@ fails; a fifth stage measures and never passes or fails:
                    training moved it
     5 performance  a measurement, not a gate (its verdict's `passed` is None), only after 1-4 passed
 
-Here: the reference and its noise floor, the tolerances, the four gates (`correctness_gate` applies
-them in order) and the decision rule (`DecisionRule`, `RULE`, `decide`). Running a candidate through
+Here: the reference and its noise floor, the tolerances and the four gates (`correctness_gate` applies
+them in order); the decision rule (`DecisionRule`, `RULE`, `decide`) is trainmech.decision, re-exported here. Running a candidate through
 all five stages and the report it gives are trainmech.gate_report:
 
     ref = gates.make_reference(gw)                   # the FP32 baseline's trace, and its noise floor
     report = gate_report.judge(candidate, gw, ref)   # gates 1-4, then the measurement, then `decide`
-    report.outcome, report.reason                    # accept / tune / no-gain / reject, or None without GPU numbers
+    report.outcome, report.reason                    # accept / tune / no-gain / costs-memory / reject, or None
 
 Tolerances (`tolerances`) start from the dtype (unit roundoff for gradients, a fraction of the
 training movement for quality) and are checked against the reference's own noise: it is run again
 (run-to-run noise: a tolerance must stand well above it) and with another seed (a changed RNG: a
 tolerance must stay well below it, else an RNG bug would pass). `decide` keeps "wrong" (a failed
-gate: reject) apart from "not worth it" (correct, no memory and no time gained: no-gain), and counts a
+gate: reject) apart from "not worth it" (correct, no memory and no time gained: no-gain) and from "costs
+memory" (correct, nothing gained, and the whole update's peak higher: costs-memory), and counts a
 capacity gain (less memory per sequence of a micro-batch, over its forward + backward) even where the optimizer
 step still peaks as high.
 
@@ -52,7 +53,16 @@ import torch
 
 from trainmech.candidates import Candidate, GateWorkload
 from trainmech.checks import num
-from trainmech.tracing import Performance, Trace, run_trace
+from trainmech.decision import (
+    OUTCOMES,
+    RECORD_DECISION,
+    RULE,
+    DecisionRule,
+    decide,
+    decide_measured,
+    timing_spread,
+)
+from trainmech.tracing import Trace, run_trace
 
 __all__ = [
     "GATES",
@@ -83,7 +93,7 @@ __all__ = [
     "gradients_gate",
     "updates_gate",
     "quality_gate",
-    "magnitude",
+    "against_bound",
     "effective_updates",
     "scaler_skips",
     "overflow_skips",
@@ -92,6 +102,7 @@ __all__ = [
     "bitwise_equal",
     "DecisionRule",
     "RULE",
+    "timing_spread",
     "decide_measured",
     "decide",
 ]
@@ -123,13 +134,6 @@ SEED_SEPARATION = 3  # … and this far below what another RNG seed changes, or 
 # candidate after the calibrated start overflows rarely; losing more than this means the scale is not settled.
 MAX_SCALER_SKIP_FRACTION = 0.25
 EVIDENCE_LEVEL = {"cpu": "cpu-mechanism", "cuda": "gpu-measured"}
-OUTCOMES = ("accept", "tune", "no-gain", "reject")
-RECORD_DECISION = {
-    "accept": "accept",
-    "tune": "tune",
-    "no-gain": "reject",
-    "reject": "reject",
-}  # the record's field
 
 
 # ----------------------------------------------------------------------------- the reference and its noise
@@ -236,7 +240,7 @@ class Reference:
     floor: NoiseFloor | None = None
     peaks: dict = field(
         default_factory=dict
-    )  # its peaks on a workload, measured once for every candidate (tracing.remeasure)
+    )  # its peaks on a workload, measured once for every candidate (performance.remeasure)
 
     def tolerances(self, dtype: str) -> Tolerances:
         return tolerances(dtype, self.trace, self.floor)
@@ -544,10 +548,13 @@ def updates_gate(
     )
 
 
-def magnitude(x: float) -> str:
-    """A noise-level float as the power of ten just above it ("< 1e-04"), 0 exactly as "0": its size is shown,
-    and its last digits, which another machine's rounding moves, are not."""
-    return "0" if x == 0 else f"< 1e{math.floor(math.log10(x)) + 1:+03d}"
+def against_bound(delta: float, bound: float) -> str:
+    """A noise-level |Δ| as a verdict against its bound: "= 0, within" when exactly 0, "within" when inside (its
+    digits, which another machine's rounding moves, and even its power of ten, are not shown), and the number
+    itself only when over ("= 0.019, over": a failing gate needs it). NaN is over."""
+    if delta == 0:
+        return "= 0, within"
+    return "within" if delta <= bound else f"= {num(delta, 2)}, over"
 
 
 def quality_gate(
@@ -571,7 +578,7 @@ def quality_gate(
         passed,
         evidence,
         f"held-out loss {num(cand.held_out_loss)} vs {num(ref.held_out_loss)}: "
-        f"|Δ| {'= 0' if delta == 0 else magnitude(delta)}, {'within' if passed else 'over'} the bound "
+        f"|Δ| {against_bound(delta, tol.quality_bound)} the bound "
         f"{num(tol.quality_bound, 2)} nats ({tol.quality_from})",
     )
 
@@ -612,92 +619,4 @@ def bitwise_equal(ref: Trace, cand: Trace) -> bool:
             a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
             for a, b in zip(cand.grads, ref.grads)
         )
-    )
-
-
-# ----------------------------------------------------------------------------- the decision
-
-
-@dataclass(frozen=True)
-class DecisionRule:
-    """Written down before any GPU measurement, not fitted to the registry's figures.
-
-    min_peak_drop: a memory gain counts from a tenth on: a tenth less per sequence is the least that adds a
-    sequence to a micro-batch of ten. max_time_ratio: a memory strategy may cost up to a quarter more time per
-    update. A step costs about 6·N·T FLOPs (N parameters, T tokens: 2·N·T forward, 4·N·T backward); full
-    recomputation replays the forward, 2·N·T more, x1.33 when compute-bound — but a step is never all matmul
-    (attention, norms, the optimizer and copies are not replayed in proportion), so a well-made checkpoint stays
-    below that; x1.25 leaves the last twelfth of it to a slow one. min_speedup: a speed gain counts from a tenth
-    of the median on; the GPU run checks the reference's own median spread against it.
-
-    The whole update's peak is judged on the allocated bytes, what the update's tensors hold; the reserved peak
-    is reported beside it, not judged: after `empty_cache`, two allocation patterns fragment the caching
-    allocator's segments differently (hundreds of MiB on a GPU-sized update), a property of the allocator's
-    state rather than of the candidate's tensors. no_higher_slack: how far the allocated peak may rise above the
-    reference's and still count as no higher, as a fraction of the reference's: a hundredth — a tenth of
-    min_peak_drop, so it cannot hide a rise the rule would count as a gain, and above what the allocator's
-    block rounding typically adds (a request rounds up to 512 B, and a cached block is handed out unsplit when
-    no more than 1 MiB would remain, so a block may hold up to 1 MiB it did not ask for).
-    """
-
-    min_peak_drop: float = 0.10
-    max_time_ratio: float = 1.25
-    min_speedup: float = 0.10
-    no_higher_slack: float = 0.01
-
-
-RULE = DecisionRule()
-
-
-def decide_measured(
-    update_drop: float,
-    capacity_gain: float,
-    time_ratio: float,
-    rule: DecisionRule = RULE,
-) -> str:
-    """accept / tune / no-gain from GPU measurements of a correct candidate.
-
-    update_drop = 1 - the allocated peak of a whole steady update / the reference's: what decides whether this
-    workload fits. capacity_gain = 1 - what one more sequence adds to the forward + backward peak of a
-    micro-batch accumulating into a window's gradients / the reference's (`tracing.Performance.bytes_per_row`):
-    what the largest micro-batch that fits hinges on, even where the optimizer step peaks as high as before.
-    time_ratio = median update / the reference's.
-    accept: no higher peak (update_drop ≥ -rule.no_higher_slack), and a memory gain (either ≥ min_peak_drop) at
-    ≤ max_time_ratio, or faster by min_speedup. tune: a gain that costs too much (time, or a higher whole-update
-    peak). no-gain: correct, but neither smaller nor faster.
-    """
-    higher = update_drop < -rule.no_higher_slack
-    memory = max(update_drop, capacity_gain) >= rule.min_peak_drop
-    faster = time_ratio <= 1 - rule.min_speedup
-    if not higher and ((memory and time_ratio <= rule.max_time_ratio) or faster):
-        return "accept"
-    return "tune" if memory or faster else "no-gain"
-
-
-def decide(
-    verdicts: list[Verdict],
-    perf: Performance | None,
-    reference: Performance | None,
-    rule: DecisionRule = RULE,
-) -> tuple[str | None, str]:
-    """(outcome, reason). A failed gate rejects on any device: the candidate is wrong. Otherwise accept /
-    tune / no-gain by `decide_measured`, which needs allocator peaks and step times from a GPU: without them,
-    None. The reason gives the reserved peak's change beside the allocated one it judges."""
-    failed = next((v for v in verdicts if v.failed), None)
-    if failed is not None:
-        return "reject", f"{failed.name} gate failed: {failed.message}"
-    if perf is None or reference is None or not (perf.on_gpu and reference.on_gpu):
-        return None, (
-            "no gate failed; accept, tune or no-gain needs allocator peaks and step times measured on a GPU "
-            "(TRAIN-CUDA-MECHANISM), and this run has none"
-        )
-    update = 1 - perf.peak_allocated_bytes / reference.peak_allocated_bytes
-    capacity = 1 - perf.bytes_per_row / reference.bytes_per_row
-    ratio = perf.step_time_median_s / reference.step_time_median_s
-    reserved = perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1
-    return decide_measured(update, capacity, ratio, rule), (
-        f"allocated peak {-update:+.1%} (reserved {reserved:+.1%}, reported, not judged), bytes per sequence "
-        f"{-capacity:+.1%}, median x{ratio:.2f}; accept: allocated peak no higher (≤ +{rule.no_higher_slack:.0%}) and "
-        f"either {-rule.min_peak_drop:+.0%} or lower at ≤ x{rule.max_time_ratio:g}, or median ≤ x{1 - rule.min_speedup:g}; "
-        f"no-gain: neither"
     )

@@ -13,8 +13,11 @@ makes it for every parameter at once, fused makes none.
 Optimizer-in-backward is PyTorch's documented recipe: one optimizer per parameter, stepped from a
 hook registered with `Tensor.register_post_accumulate_grad_hook`, which then frees the gradient.
 The whole-update peak of a plain loop sits in `optimizer.step()` when every gradient, both moments
-and the step's temporaries are alive at once; here no moment holds more than one parameter's
-gradient and temporaries. What it gives up: no accumulation over micro-batches (each backward
+and the step's temporaries are alive at once; here a gradient lives only from the node that produces
+it to its parameter's update right after, with one parameter's step temporaries at a time. Not one
+gradient at a time, though: a node hands out several at once (a Linear's weight and bias), and a tied
+weight (the embedding shared with the head) is updated only after its last use in the backward, the
+embedding, so the head's part of its gradient waits in the engine the whole backward long. What it gives up: no accumulation over micro-batches (each backward
 updates), no clipping by the global norm, and no skipping a window whose gradients are not finite —
 an update already written cannot be taken back.
 """

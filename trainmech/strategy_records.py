@@ -1,29 +1,43 @@
 """Task5's experiments as result objects, each writing its own record fields.
 
     run = StrategyRun("hf-checkpoint", "TRAIN-CHECKPOINT", updates, trace, verdict, recompute=count, …)
-    run.performance, run.reference_performance = tracing.remeasure(plain, baseline, gw, …)
+    run.performance, run.reference_performance = performance.remeasure(plain, baseline, gw, …)
     session.record("TRAIN-CHECKPOINT", f"{wid}.{run.name}", candidate=run.name, **common, **run.record_fields())
     session.record("TRAIN-STATE-LEDGER", …, **ledger_fields(book, step, baseline_step, …))
 
-Peaks and times follow the fifth stage of the gates (trainmech.tracing.Performance): on CUDA the
+Peaks and times follow the fifth stage of the gates (trainmech.performance.Performance): on CUDA the
 allocator's reserved and allocated peaks of a steady update and its forward + backward, medians and
 P95 of interleaved timed updates; on a CPU the same step times are recorded (a CPU run's cost, no
 GPU evidence, never printed) and the allocator fields are null, the tracked tensor bytes going to
-`metrics.cpu_tracked_*`. TRAIN-STATE-LEDGER's measured peak is Task4's (`ledger.Comparison`).
+`metrics.cpu_tracked_*` (the storages born in one steady update, as Task6 counts them). TRAIN-STATE-LEDGER's
+measured peak is Task4's (`ledger.Comparison`: every tensor alive, parameters and optimizer states included),
+under Task4's names: `metrics.tracked_peak_bytes` on any device, `metrics.cpu_tracked_peak_bytes` the same number
+where it is the peak measured (a CPU). `record_lines` prints what a record holds and which field is the peak.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainmech import gates, ledger
+from trainmech import decision, ledger
 from trainmech.checkpointing import RecomputeCount
+from trainmech.checks import num
 from trainmech.gates import Verdict
 from trainmech.ledger.compare import MEASURED_PEAK_WITH
 from trainmech.offload import TransferStats
-from trainmech.tracing import Performance, Trace
+from trainmech.performance import Performance
+from trainmech.tracing import Trace
 
-__all__ = ["MEASURED_WITH", "StrategyRun", "ledger_fields", "timing_table", "saved_outside_layers"]
+__all__ = [
+    "MEASURED_WITH",
+    "StrategyRun",
+    "ledger_fields",
+    "RECORD_FIELDS",
+    "PEAK_FIELD",
+    "record_lines",
+    "timing_table",
+    "saved_outside_layers",
+]
 
 MEASURED_WITH = {
     "cuda": "torch.cuda.max_memory_reserved / max_memory_allocated (one steady update, cache emptied)",
@@ -48,8 +62,8 @@ class StrategyRun:
     offload_settings: dict | None = None  # min_bytes, prefetch_groups, … as the strategy ran
 
     def decision(self) -> tuple[str | None, str]:
-        """gates.decide on gate 2's verdict and the paired measurement (None without GPU numbers)."""
-        return gates.decide([self.verdict], self.performance, self.reference_performance)
+        """decision.decide on gate 2's verdict and the paired measurement (None without GPU numbers)."""
+        return decision.decide([self.verdict], self.performance, self.reference_performance)
 
     def record_fields(self, next_step: str) -> dict:
         p, ref, e = self.performance, self.reference_performance, self.verdict.evidence
@@ -126,7 +140,7 @@ class StrategyRun:
             },
             "resources": resources,
             "conclusion": {
-                "decision": None if outcome is None else gates.RECORD_DECISION[outcome],
+                "decision": None if outcome is None else decision.RECORD_DECISION[outcome],
                 "next_step": next_step,
             },
             "metrics": metrics,
@@ -175,9 +189,78 @@ def ledger_fields(
             "min_bytes": min_bytes,
             "strategy": name,
             "measured_with": MEASURED_PEAK_WITH["cuda" if on_gpu else "cpu"],
+            "tracked_peak_bytes": step.peak_bytes,  # Task4's name: the tracker's count, on any device
             "cpu_tracked_peak_bytes": None if on_gpu else step.peak_bytes,
         },
     }
+
+
+# What `record_lines` prints of each record, by experiment: where the peak is, what the strategy did, the decision.
+RECORD_FIELDS = {
+    "TRAIN-CHECKPOINT": (
+        "resources.peak_allocated_bytes",
+        "metrics.cpu_tracked_peak_bytes",
+        "metrics.baseline_cpu_tracked_peak_bytes",
+        "resources.recompute_count",
+        "conclusion.decision",
+        "metrics.outcome",
+    ),
+    "TRAIN-OFFLOAD": (
+        "resources.peak_allocated_bytes",
+        "metrics.cpu_tracked_peak_bytes",
+        "metrics.baseline_cpu_tracked_peak_bytes",
+        "resources.transfer_bytes",
+        "metrics.exposed_transfer_time_s",
+        "conclusion.decision",
+        "metrics.outcome",
+    ),
+    "TRAIN-STATE-LEDGER": (
+        "metrics.predicted_peak_bytes",
+        "metrics.measured_peak_bytes",
+        "metrics.measured_peak_phase",
+        "metrics.cpu_tracked_peak_bytes",
+        "metrics.baseline_measured_peak_bytes",
+    ),
+}
+_STRATEGY_PEAK = (
+    "the peak: on CUDA resources.peak_allocated_bytes (the allocator, one steady update, everything allocated); "
+    "on a CPU metrics.cpu_tracked_peak_bytes: only the tensor storages born in one steady update of Task6's "
+    "performance stage, the parameters and optimizer states that lived before not counted — not Task4's count "
+    "(TRAIN-STATE-LEDGER below)"
+)
+PEAK_FIELD = {  # which field holds the peak, and what it counts, by experiment
+    "TRAIN-CHECKPOINT": _STRATEGY_PEAK,
+    "TRAIN-OFFLOAD": _STRATEGY_PEAK,
+    "TRAIN-STATE-LEDGER": (
+        "the peak: metrics.measured_peak_bytes, Task4's measurement beside the ledger's prediction: every tensor "
+        "alive, parameters and optimizer states included (on a CPU = metrics.cpu_tracked_peak_bytes = "
+        "metrics.tracked_peak_bytes)"
+    ),
+}
+
+
+def record_lines(records) -> list[str]:
+    """Written records as a reader checks them, grouped by experiment: which field holds the peak and what it counts
+    (`PEAK_FIELD`), then each record's `RECORD_FIELDS`, one `group.field = value` per line (integers with thousands
+    separators, a time with three digits, null as null)."""
+
+    def value(record, path: str):
+        group, key = path.split(".")
+        part = getattr(record, group)
+        return part.get(key) if isinstance(part, dict) else getattr(part, key)
+
+    def shown(v) -> str:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return "null" if v is None else str(v)
+        return f"{v:,}" if isinstance(v, int) else num(v)
+
+    lines = []
+    for sid in dict.fromkeys(r.identity.semantic_id for r in records):
+        lines.append(f"{sid} — {PEAK_FIELD[sid]}")
+        for record in (r for r in records if r.identity.semantic_id == sid):
+            lines.append(f"  {record.identity.workload_id}")
+            lines += [f"    {path} = {shown(value(record, path))}" for path in RECORD_FIELDS[sid]]
+    return lines
 
 
 def timing_table(runs: dict[str, StrategyRun]) -> str:

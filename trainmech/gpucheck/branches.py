@@ -161,18 +161,18 @@ PACKAGE = [
             "tracing._rng_digest",
             "tracing._rng_states",
             "tracing._set_rng_states",
-            "tracing.Performance.on_gpu",
-            "tracing._allocator",
-            "tracing._emptied_cache",
-            "tracing._allocator_peaks",
-            "gates.decide",
+            "performance.Performance.on_gpu",
+            "performance._allocator",
+            "performance._emptied_cache",
+            "performance._allocator_peaks",
+            "decision.decide",
             "gate_report.performance_verdict",
             "gate_report.Report.record_fields",
             "gate_report.strategy_table",
         ),
         "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks through "
         "measure.allocator_window, the CUDA context and the bytes per sequence in the performance stage; accept / tune / "
-        "no-gain (CPU: the same allocator bookkeeping with the CPU allocator forced)",
+        "no-gain / costs-memory (CPU: the same allocator bookkeeping with the CPU allocator forced)",
         check_gates,
         8,
     ),
@@ -221,7 +221,7 @@ NOT_BRANCHES = {
     "runner._provenance": "names run.json's intra-op thread count (CPU kernels pin one); nothing runs on CUDA",
     "ledger.cli.main": "the calculator's --device is a paper choice (cuda works on any machine): it reads the CUDA "
     "context from a gpu-check report; tests/test_task4_ledger.py runs both sides",
-    "tracing.timing_counts": "picks the default warm-up and timed update counts for the device; nothing runs on "
+    "performance.timing_counts": "picks the default warm-up and timed update counts for the device; nothing runs on "
     "CUDA, tests/test_task6_gates.py covers both sides",
     "ledger.allocator.cuda_context": "reads a gpu-check report's mode (a report of a GPU run or a CPU self-test); "
     "nothing runs on CUDA, tests/test_task4_ledger.py reads both kinds",

@@ -2,7 +2,7 @@
 
     bw = copy_bandwidth(device)            # host↔device copies: each way alone, and both at once
     ph = step_phase_times(model, batch, optimizer)   # forward / backward / update seconds of one step
-    offload_bound(bw, ph, d2h_bytes, h2d_bytes)      # transfer that no overlap can hide
+    offload_bound(bw, ph, d2h_bytes, h2d_bytes)      # transfer ActivationOffload's overlap cannot hide
 
 On CUDA the host side is pinned memory and each direction runs on its own stream, timed by CUDA
 events. Off CUDA there is no bus: the same functions copy between two host buffers, timed by the
@@ -18,7 +18,15 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["GB", "Clock", "host_buffer", "copy_bandwidth", "step_phase_times", "offload_bound"]
+__all__ = [
+    "GB",
+    "Clock",
+    "host_buffer",
+    "copy_bandwidth",
+    "step_phase_times",
+    "OFFLOAD_BOUND_ASSUMES",
+    "offload_bound",
+]
 
 GB = 1e9
 
@@ -195,9 +203,23 @@ def step_phase_times(
     }
 
 
+# What offload_bound's windows stand on: they hold for this project's ActivationOffload, not for every offload.
+OFFLOAD_BOUND_ASSUMES = (
+    "ActivationOffload's schedule: the compute stream waits for every D2H when the backward starts "
+    "(OffloadBook.start_backward), so D2H hides behind the forward only, and H2D, issued in the backward, "
+    "behind the backward only (an offload that let D2H run on into the backward would hide more); each "
+    "direction at its rate measured alone; the baseline's phase times, with nothing for the hooks' own "
+    "work (Python pack/unpack, views rebuilt, the compute stream's waits issued): a lower bound, that "
+    "work only adds to it. Copies queued on the compute stream (save_on_cpu) hide behind nothing: serial"
+)
+
+
 def offload_bound(bandwidth: dict, phases: dict, d2h_bytes: int, h2d_bytes: int) -> dict:
-    """The transfer an offload cannot hide: D2H runs under the forward, H2D under the backward, each at
-    the measured speed of its direction alone; what outlasts its phase is exposed whatever the overlap."""
+    """The transfer ActivationOffload cannot hide (`OFFLOAD_BOUND_ASSUMES`, returned as `assumes`): D2H runs
+    under the forward, H2D under the backward, each at the measured speed of its direction alone; what
+    outlasts its phase is exposed whatever the overlap, and the two add (the compute stream waits for the
+    D2H backlog before the backward's first H2D can be used). step_ratio_bound leaves out the hooks' own
+    overhead: the median of a real step lies at or above it."""
     d2h_s = d2h_bytes / (bandwidth["d2h_gbps"] * GB)
     h2d_s = h2d_bytes / (bandwidth["h2d_gbps"] * GB)
     exposed = max(0.0, d2h_s - phases["forward_s"]) + max(0.0, h2d_s - phases["backward_s"])
@@ -210,4 +232,6 @@ def offload_bound(bandwidth: dict, phases: dict, d2h_bytes: int, h2d_bytes: int)
         "backward_s": phases["backward_s"],
         "exposed_transfer_bound_s": exposed,
         "step_ratio_bound": (phases["step_s"] + exposed) / phases["step_s"],
+        "serial_ratio_bound": (phases["step_s"] + d2h_s + h2d_s) / phases["step_s"],
+        "assumes": OFFLOAD_BOUND_ASSUMES,
     }

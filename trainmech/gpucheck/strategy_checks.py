@@ -3,7 +3,7 @@
 Each runs one CUDA-only branch at small sizes on a `Probe` (trainmech.gpucheck.probe): activation
 offload on CUDA streams (its hooks never synchronising), torch's save_on_cpu timed by CUDA events, a
 checkpoint candidate judged through the gates (the CUDA RNG, the allocator's peaks, accept / tune /
-no-gain), and Task5's strategy records. Every strategy's gradients are held to the baseline's: bitwise
+no-gain / costs-memory), and Task5's strategy records. Every strategy's gradients are held to the baseline's: bitwise
 on a CPU, within 1e-4 of each gradient's scale on CUDA.
 """
 
@@ -78,7 +78,10 @@ def check_offload(probe: Probe) -> str:
     same, how = same_gradients(probe, ours, ref)
     require(same, f"gradients under ActivationOffload differ from the baseline ({how})")
     require(
-        st.d2h_bytes == st.h2d_bytes > 0 and st.prefetched > 0 and st.on_demand == 0,
+        st.d2h_bytes > 0
+        and st.prefetched == st.offloaded
+        and st.on_demand == st.fetched_unused == st.unpacked_again == 0
+        and st.unpacked == st.packed,
         f"transfer bookkeeping: {st}",
     )
     require(
@@ -141,7 +144,9 @@ def check_save_on_cpu(probe: Probe) -> str:
     require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
     saved = _saved_references(model, batch)
     require(
-        st.packed == len(saved) and st.d2h_bytes == st.h2d_bytes == sum(saved),
+        st.packed == len(saved) == st.unpacked
+        and st.unpacked_again == 0
+        and st.d2h_bytes == st.h2d_bytes == sum(saved),
         f"save_on_cpu counted {st.packed} references, {st.d2h_bytes:,} B; a plain pair of hooks saw "
         f"{len(saved)}, {sum(saved):,} B",
     )
@@ -164,7 +169,7 @@ def check_save_on_cpu(probe: Probe) -> str:
 
 
 def check_gates(probe: Probe) -> str:
-    from trainmech import candidates, gate_report, gates, tracing
+    from trainmech import candidates, gate_report, gates, performance
 
     gw = candidates.gate_workload(
         probe.model(),
@@ -219,7 +224,7 @@ def check_gates(probe: Probe) -> str:
         require(
             all(e == 0 for e in worst), f"a CPU replays bitwise, yet the worst errors per window are {worst}"
         )
-        forced, _ = tracing.remeasure(
+        forced, _ = performance.remeasure(
             report.candidate, reference.candidate, gw, warmup=1, repeats=1, allocator="cpu-profiler"
         )
         ratio = forced.peak_allocated_bytes / forced.tracked_peak_bytes
@@ -234,7 +239,7 @@ def check_gates(probe: Probe) -> str:
 
 
 def check_strategy_records(probe: Probe) -> str:
-    from trainmech import candidates, gates, strategy_records, tracing
+    from trainmech import candidates, gates, performance, strategy_records, tracing
     from trainmech.ledger.compare import MEASURED_PEAK_WITH
 
     model = probe.model()
@@ -248,7 +253,9 @@ def check_strategy_records(probe: Probe) -> str:
         "hf-checkpoint", "TRAIN-CHECKPOINT", 2, trace, gates.gradients_gate(base, trace, "float32")
     )
     require(run.verdict.passed, run.verdict.message)
-    run.performance, run.reference_performance = tracing.remeasure(cand, baseline, gw, warmup=1, repeats=2)
+    run.performance, run.reference_performance = performance.remeasure(
+        cand, baseline, gw, warmup=1, repeats=2
+    )
     fields = run.record_fields("gpu-check")
     state = gw.fresh_state(baseline)
     baseline.backward(state, gw.windows[0])

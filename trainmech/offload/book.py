@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from trainmech.errors import TrainmechError
 
-__all__ = ["EMBED_GROUP", "TransferStats", "Entry", "OffloadBook"]
+__all__ = ["EMBED_GROUP", "TransferStats", "References", "Entry", "OffloadBook"]
 
 EMBED_GROUP = -1  # what the forward packs before the first decoder layer
 _KEPT = {"param": "kept_params", "small": "kept_small", "exempt": "kept_exempt"}  # keep_reason -> its counter
@@ -45,6 +45,8 @@ class TransferStats:
     #                      whether a copy was back in time is what the compute stream's H2D wait measures)
     on_demand: int = 0  # H2D copies issued only when the backward asked (it then waits for them)
     fetched_unused: int = 0  # H2D copies the backward never unpacked (let go at finish, after their copy)
+    unpacked: int = 0  # saved references the backward read back, each counted once (`References`)
+    unpacked_again: int = 0  # unpacks of a reference already read back once
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     stash_peak_bytes: int = 0  # most device bytes held at once for D2H copies not yet waited for
@@ -63,6 +65,28 @@ class TransferStats:
         if self.h2d_wait_s is None or self.d2h_wait_s is None:
             return None
         return self.h2d_wait_s + self.d2h_wait_s
+
+
+class References:
+    """Each saved reference's unpacks, counted into the stats: a pack hook takes `new()`, its unpack calls
+    `read(ref)`. After a backward, every reference read back exactly once is `unpacked == packed` and
+    `unpacked_again == 0`: none forgotten (a saved tensor whose node's backward never ran), none read twice."""
+
+    def __init__(self, stats: TransferStats) -> None:
+        self.stats = stats
+        self._count = 0
+        self._read: set[int] = set()
+
+    def new(self) -> int:
+        self._count += 1
+        return self._count - 1
+
+    def read(self, ref: int) -> None:
+        if ref in self._read:
+            self.stats.unpacked_again += 1
+        else:
+            self._read.add(ref)
+            self.stats.unpacked += 1
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
-from trainmech.offload.book import OffloadBook, TransferStats
+from trainmech.offload.book import OffloadBook, References, TransferStats
 from trainmech.offload.copies import CudaCopies, HostArena, HostCopies, HostStreams, host_arena
 
 __all__ = ["ActivationOffload", "activation_offload", "restore_check"]
@@ -61,6 +61,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         exempt_from = max(len(self.layers) - exempt_last, 0) if self.layers else None
         self.book = OffloadBook(min_bytes, exempt_from, prefetch_groups, stash_groups)
         self.book.group = -1 if self.layers else 0
+        self.refs = References(self.book.stats)
         arena = arena or host_arena(self.device)
         self.copies = (
             CudaCopies(self.device, arena, streams)
@@ -119,10 +120,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         reason = self.book.keep_reason(storage.nbytes(), ptr in self.keep, t.device == self.device)
         if reason:
             self.book.count_kept(reason)
-            return (
-                self.book.group,
-                t.detach(),
-            )  # detached: a packed value must not hold the tensor (reference cycle)
+            # detached: a packed value must not hold the tensor (reference cycle)
+            return self.refs.new(), self.book.group, t.detach()
         view = (t.dtype, t.storage_offset(), t.size(), t.stride())
         known = self._identity.get(ptr)
         if (
@@ -132,22 +131,23 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             and not known[1].released
         ):
             self.book.share(known[1])
-            return known[1], view
+            return self.refs.new(), known[1], view
         if not self._begun:
             self.copies.begin(self)
             self._begun = True
         entry = self.book.new_entry(storage.nbytes(), t._version)
         self._identity[ptr] = (weakref.ref(storage), entry)  # alive ⇒ its address is not reused by another
         self.copies.to_host(entry, storage)
-        return entry, view
+        return self.refs.new(), entry, view
 
     # -- backward --------------------------------------------------------------------------
     def unpack(self, packed):
         if not self.book.backward_started:
             self.copies.let_go(self.book.start_backward())
-        where, item = packed
+        ref, where, item = packed
         if isinstance(where, int):  # kept in place
             self._fetch_ahead(where, None)
+            self.refs.read(ref)
             return item
         entry = where
         self.book.refuse_if_released(entry)
@@ -159,6 +159,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         storage = entry.fetched
         if self.book.unpacked(entry):
             entry.fetched = None  # the last saved reference: from now on only autograd holds it
+        self.refs.read(ref)
         dtype, offset, size, stride = item
         return torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
 

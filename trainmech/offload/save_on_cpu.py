@@ -17,7 +17,7 @@ import inspect
 
 import torch
 
-from trainmech.offload.book import TransferStats
+from trainmech.offload.book import References, TransferStats
 
 __all__ = ["CountingSaveOnCpu", "pack_copy_line"]
 
@@ -35,6 +35,7 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
     def __init__(self, device: torch.device | str) -> None:
         super().__init__(pin_memory=True)
         self.stats = TransferStats()
+        self.refs = References(self.stats)
         self.cuda = torch.device(device).type == "cuda"
         self._copies: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"d2h": [], "h2d": []}
         self._torch_pack, self._torch_unpack = self.pack_hook, self.unpack_hook  # torch's own pair
@@ -60,12 +61,14 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         self.stats.packed += 1
         self.stats.offloaded += 1
         self.stats.d2h_bytes += t.numel() * t.element_size()
-        return packed
+        return self.refs.new(), packed
 
     def unpack(self, packed) -> torch.Tensor:
         """H2D: the host copy back to the device it came from, on the compute stream."""
+        ref, packed = packed
         start = self._mark()
         t = self._torch_unpack(packed)
+        self.refs.read(ref)
         if self.cuda:
             self._copies["h2d"].append((start, self._mark()))
         self.stats.h2d_bytes += t.numel() * t.element_size()

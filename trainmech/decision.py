@@ -1,0 +1,139 @@
+"""The decision rule: is a correct candidate worth adopting? Written down before any GPU measurement.
+
+A failed correctness gate (trainmech.gates) rejects a candidate on any device: it is wrong. A correct one is
+judged on what the fifth stage measured beside the reference (trainmech.performance.Performance), on a GPU
+only: accept, tune, no-gain (correct, but neither smaller nor faster) or costs-memory (correct, nothing gained,
+and the whole update's allocated peak higher). `RULE` holds the thresholds and `DecisionRule` their reasons;
+`decide_measured` is the rule on three numbers, `decide` applies it to a candidate's verdicts and measurements.
+
+    outcome, reason = decision.decide(verdicts, perf, reference_perf)   # None without GPU numbers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainmech.gates import Verdict
+    from trainmech.performance import Performance
+
+__all__ = [
+    "OUTCOMES",
+    "RECORD_DECISION",
+    "DecisionRule",
+    "RULE",
+    "timing_spread",
+    "decide_measured",
+    "decide",
+]
+
+OUTCOMES = ("accept", "tune", "no-gain", "costs-memory", "reject")
+RECORD_DECISION = {
+    "accept": "accept",
+    "tune": "tune",
+    "no-gain": "reject",
+    "costs-memory": "reject",
+    "reject": "reject",
+}  # the record's field (accept / tune / reject); `metrics.outcome` keeps the five apart
+
+
+@dataclass(frozen=True)
+class DecisionRule:
+    """Written down before any GPU measurement, not fitted to the registry's figures.
+
+    min_peak_drop: a memory gain counts from a tenth on: a tenth less per sequence is the least that adds a
+    sequence to a micro-batch of ten. max_time_ratio: a memory strategy may cost up to a quarter more time per
+    update. A step costs about 6·N·T FLOPs (N parameters, T tokens: 2·N·T forward, 4·N·T backward); full
+    recomputation replays the forward, 2·N·T more, x1.33 when compute-bound — but a step is never all matmul
+    (attention, norms, the optimizer and copies are not replayed in proportion), so a well-made checkpoint stays
+    below that; x1.25 leaves the last twelfth of it to a slow one. min_speedup: a speed gain counts from a tenth
+    of the median on — or from the reference's own timing spread, where that is wider (`timing_spread`: its
+    P95 over its median, - 1, from the same interleaved rounds): a speedup the reference's repeated timings
+    show among themselves is noise, not a gain.
+
+    The whole update's peak is judged on the allocated bytes, what the update's tensors hold; the reserved peak
+    is reported beside it, not judged: after `empty_cache`, two allocation patterns fragment the caching
+    allocator's segments differently (hundreds of MiB on a GPU-sized update), a property of the allocator's
+    state rather than of the candidate's tensors. no_higher_slack: how far the allocated peak may rise above the
+    reference's and still count as no higher, as a fraction of the reference's: a hundredth — a tenth of
+    min_peak_drop, so it cannot hide a rise the rule would count as a gain, and above what the allocator's
+    block rounding typically adds (a request rounds up to 512 B, and a cached block is handed out unsplit when
+    no more than 1 MiB would remain, so a block may hold up to 1 MiB it did not ask for).
+    """
+
+    min_peak_drop: float = 0.10
+    max_time_ratio: float = 1.25
+    min_speedup: float = 0.10
+    no_higher_slack: float = 0.01
+
+
+RULE = DecisionRule()
+
+
+def timing_spread(reference: Performance) -> float:
+    """The reference's own timing noise: its P95 step time over its median, - 1 (0 where they are equal), from the
+    rounds timed beside the candidate. A speedup no larger than this is what the reference shows against itself."""
+    return max(reference.step_time_p95_s / reference.step_time_median_s - 1, 0.0)
+
+
+def decide_measured(
+    update_drop: float,
+    capacity_gain: float,
+    time_ratio: float,
+    rule: DecisionRule = RULE,
+    time_noise: float = 0.0,
+) -> str:
+    """accept / tune / no-gain / costs-memory from GPU measurements of a correct candidate.
+
+    update_drop = 1 - the allocated peak of a whole steady update / the reference's: what decides whether this
+    workload fits. capacity_gain = 1 - what one more sequence adds to the forward + backward peak of a
+    micro-batch accumulating into a window's gradients / the reference's (`performance.Performance.bytes_per_row`):
+    what the largest micro-batch that fits hinges on, even where the optimizer step peaks as high as before.
+    time_ratio = median update / the reference's. time_noise: the reference's timing spread (`timing_spread`); a
+    speedup counts from max(min_speedup, time_noise) on.
+    accept: no higher peak (update_drop ≥ -rule.no_higher_slack), and a memory gain (either ≥ min_peak_drop) at
+    ≤ max_time_ratio, or faster. tune: a gain that costs too much (time, or a higher whole-update peak).
+    costs-memory: no gain, and the whole update peaks higher. no-gain: neither smaller nor faster, no higher.
+    """
+    higher = update_drop < -rule.no_higher_slack
+    memory = max(update_drop, capacity_gain) >= rule.min_peak_drop
+    faster = time_ratio <= 1 - max(rule.min_speedup, time_noise)
+    if not higher and ((memory and time_ratio <= rule.max_time_ratio) or faster):
+        return "accept"
+    if memory or faster:
+        return "tune"
+    return "costs-memory" if higher else "no-gain"
+
+
+def decide(
+    verdicts: list[Verdict],
+    perf: Performance | None,
+    reference: Performance | None,
+    rule: DecisionRule = RULE,
+) -> tuple[str | None, str]:
+    """(outcome, reason). A failed gate rejects on any device: the candidate is wrong. Otherwise accept / tune /
+    no-gain / costs-memory by `decide_measured`, which needs allocator peaks and step times from a GPU: without
+    them, None. The reason gives the reserved peak's change beside the allocated one it judges, and the
+    reference's timing spread a speedup must exceed."""
+    failed = next((v for v in verdicts if v.failed), None)
+    if failed is not None:
+        return "reject", f"{failed.name} gate failed: {failed.message}"
+    if perf is None or reference is None or not (perf.on_gpu and reference.on_gpu):
+        return None, (
+            "no gate failed; accept, tune, no-gain or costs-memory needs allocator peaks and step times measured on a GPU "
+            "(TRAIN-CUDA-MECHANISM), and this run has none"
+        )
+    update = 1 - perf.peak_allocated_bytes / reference.peak_allocated_bytes
+    capacity = 1 - perf.bytes_per_row / reference.bytes_per_row
+    ratio = perf.step_time_median_s / reference.step_time_median_s
+    reserved = perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1
+    noise = timing_spread(reference)
+    speedup = max(rule.min_speedup, noise)
+    return decide_measured(update, capacity, ratio, rule, noise), (
+        f"allocated peak {-update:+.1%} (reserved {reserved:+.1%}, reported, not judged), bytes per sequence "
+        f"{-capacity:+.1%}, median x{ratio:.2f} (the reference's own spread: P95 {noise:+.1%} over its median); "
+        f"accept: allocated peak no higher (≤ +{rule.no_higher_slack:.0%}) and either {-rule.min_peak_drop:+.0%} or "
+        f"lower at ≤ x{rule.max_time_ratio:g}, or median ≤ x{1 - speedup:.2f}; costs-memory: no gain and the "
+        f"allocated peak higher; no-gain: neither"
+    )
