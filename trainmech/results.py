@@ -389,7 +389,8 @@ def reference_figures(semantic_id: str) -> dict[str, Any]:
 
 def outcome_of(record: Record) -> str | None:
     """What a record concluded, in words that keep "wrong" apart from "not worth it": `metrics.outcome` (the
-    gates' accept / tune / no-gain / reject; the `decision` field files no-gain as reject), with the failure
+    gates' accept / tune / no-gain / costs-memory / reject; the `decision` field files no-gain and costs-memory
+    as reject), with the failure
     beside it; the failure alone where no outcome was recorded; None where neither was."""
     outcome, failure = record.metrics.get("outcome"), record.conclusion.failure
     if isinstance(outcome, str):
@@ -439,7 +440,7 @@ def registry_markdown(
         "证据状态由本次运行的结果记录推出（`python -m trainmech registry`）；没有记录的实验写 `no record`。"
         "“Part 02 · NN”是资产表原稿的页码，箭头后是本课程里做这个实验的 Notebook。"
         "`decision` 是记录的决策字段（accept / tune / reject）；`outcome` 是门槛给出的结论，"
-        "把“错”（`reject`，括号里是失败的门槛）与“对但不值得”（`no-gain`，在 `decision` 里也记作 reject）分开。",
+        "把“错”（`reject`，括号里是失败的门槛）与“对但不值得”（`no-gain`：既不更省也不更快；`costs-memory`：没有收益、峰值还更高；两者在 `decision` 里都记作 reject）分开。",
         "",
         "| 实验 ID / 页面 | 固定对照 | 主要指标 | 证据状态 | 参考数字 |",
         "|---|---|---|---|---|",
