@@ -288,8 +288,14 @@ KERNEL_CHOICE_CELLS = {
         None,
     ),
     "Task4:measure-first-steady": (
-        "the kernel the forward dispatched beside the rule's (claimed equal on a CPU only); per-layer saved bytes "
+        "the kernel the forward dispatched claimed equal to the rule's on every device (a rule out of date for the "
+        "GPU's torch fails here); per-layer saved bytes "
         "against the dispatched kernel's inventory within SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer",
+        None,
+    ),
+    "Task4:calculator-json": (
+        "the calculator picks the SDPA kernel by the ledger's rule (--device cuda, no --attention): claimed equal to "
+        "the kernel section 1's forward dispatched, and its peak within 5 % of the measured steady update",
         None,
     ),
     "Task4:bf16-layer-saved": (

@@ -227,6 +227,7 @@ def measure_point(
     allocator: str | None = None,
     warmup: bool | None = None,
     memory_history: bool = False,
+    attention_dropout: float = 0.0,
 ) -> list[Comparison]:
     """Build the profile's model, run tracked steps (the first, then a steady one) and pair each with its prediction.
 
@@ -246,6 +247,8 @@ def measure_point(
     the CUDA allocator's history of the measured steps, after the model is built and warmed up, so that
     only the steps' own blocks are in it (`Comparison.history`; empty off CUDA). On CUDA the allocator's
     cache is emptied first: what earlier models left cached does not count in this point's reserved peak.
+    attention_dropout: the config's attention dropout, drawn in the train-mode forward (on a CPU SDPA then
+    runs its math composite: `attention_kernel`).
     """
     import gc
 
@@ -276,7 +279,9 @@ def measure_point(
         else torch.float16
     )
     autocast = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(dtype)
-    built = workload.build_model(profile.model(model), seed=seed, dtype=model_dtype, device=device)
+    built = workload.build_model(
+        profile.model(model), seed=seed, dtype=model_dtype, device=device, attention_dropout=attention_dropout
+    )
     if checkpointing == "full":
         enable = (
             getattr(built.model, "activation_checkpointing_enable", None)
@@ -306,7 +311,8 @@ def measure_point(
             workspace = None  # workspaces that could not be freed would be measured as 0: unknown instead
     optimizer = _optimizer(built.model.parameters(), optimizer_impl, optimizer_in_backward)
     shape = model_shape(built.model.config)
-    rule = attention_kernel(shape, dtype, device.type, attention, padded=padded)
+    dropout = attention_dropout > 0
+    rule = attention_kernel(shape, dtype, device.type, attention, padded=padded, dropout=dropout)
     out = []
     recording = (
         measure.cuda_memory_history(device) if memory_history else nullcontext(measure.MemoryHistory())
@@ -345,6 +351,7 @@ def measure_point(
                             set_to_none=set_to_none,
                             weigh_rng=device.type
                             == "cuda",  # the RNG state of the kernel that ran, weighed here
+                            dropout=dropout,
                         )
                         out.append(
                             Comparison(
