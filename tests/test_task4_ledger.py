@@ -1321,3 +1321,23 @@ def test_adamw_step_counters_are_device_states_only_where_torch_puts_them_there(
         assert (
             ledger.STEP_COUNTER_BYTES in pieces
         ) == on_device  # the allocator replays no host scalar as a block
+
+
+def test_the_precision_sweep_is_precision_changes_over_a_grid_and_matches_within_a_margin():
+    sweep = ledger.scenarios.precision_sweep(
+        "qwen2-tiny", (1, 2), (32, 64), device="cuda", dtype="autocast-fp16"
+    )
+    assert list(sweep) == [(1, 32), (1, 64), (2, 32), (2, 64)]
+    assert sweep[2, 64] == ledger.scenarios.precision_changes(
+        "qwen2-tiny", 2, 64, device="cuda", dtype="autocast-fp16"
+    )
+    some = sweep[2, 64][ledger.scenarios.PRECISION_PEAKS[2]]
+    hits = ledger.scenarios.matching_shapes(sweep, some, 0.0)
+    assert (2, 64, ledger.scenarios.PRECISION_PEAKS[2], some) in hits
+    assert all(change == some for *_, change in hits)
+    everything = ledger.scenarios.matching_shapes(sweep, 0.0, 10.0)
+    assert len(everything) == 4 * len(ledger.scenarios.PRECISION_PEAKS)
+    with pytest.raises(TrainmechError, match="within"):
+        ledger.scenarios.matching_shapes(sweep, 0.0, -0.01)
+    with pytest.raises(TrainmechError, match="at least one"):
+        ledger.scenarios.precision_sweep("qwen2-tiny", (), (32,), dtype="autocast-fp16")
