@@ -117,7 +117,7 @@ PACKAGE = [
             "ledger.cli.render",
         ),
         "kernel choice: the ledger predicts with the SDPA kernel the forward dispatched (cuDNN, flash, efficient or math; "
-        "its rule, math for fp32 GQA and efficient when padded, is only reported on CUDA); the RNG seed and offset weighed "
+        "its rule, math for fp32 GQA and efficient when padded, is held to the dispatched kernel on every device); the RNG seed and offset weighed "
         "by running the fused op on the GPU; foreach AdamW temporaries and AdamW's step counters on the host on CUDA; "
         "the warm-up's cuBLAS workspaces; lifecycles key by key within CUDA_LIFECYCLE_TOLERANCE; the allocator model's "
         "peaks beside the allocator's own",
