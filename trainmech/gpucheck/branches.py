@@ -112,7 +112,7 @@ PACKAGE = [
             "ledger.states._state_bytes_per_tensor",
             "ledger.book.training_state_lifecycle",
             "ledger.compare.measure_point",
-            "ledger.compare.record_fields",
+            "ledger.record.record_fields",
             "ledger.peers.benchmark",
             "ledger.cli.render",
         ),
@@ -178,7 +178,7 @@ PACKAGE = [
     ),
     Branch(
         "scenarios.measured",
-        ("ledger.compare.measure_matrix", "ledger.compare._allocator_probe"),
+        ("ledger.measured_matrix.measure_matrix", "ledger.measured_matrix._allocator_probe"),
         "the scenario matrix measured with the allocator's peaks after the backward and after the step (CPU: tracked bytes)",
         check_scenarios,
         5,

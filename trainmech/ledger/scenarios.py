@@ -15,8 +15,8 @@ re-derived) and put the cases side by side:
     precision_sweep(config, batches, seqs, dtype=…)   the same over a grid of shapes; `matching_shapes` finds
                               the shapes and peaks whose change lies near a quoted one
 
-Measuring the same cells (`measure_matrix`, `measured_peaks`) lives beside the other measurements in
-`trainmech.ledger.compare`.
+Measuring the same cells (`measure_matrix`, `measured_peaks`) is
+`trainmech.ledger.measured_matrix`.
 """
 
 from __future__ import annotations
