@@ -101,8 +101,9 @@ def record_fields(
     CPU. metrics: `measured_*` in the instrument `measured_with` names (the allocator on CUDA, the tracker
     on a CPU), `tracked_*` always the tracker's tensor storages. correctness: whether the loss and every
     gradient of `updates` (default: the point alone) were finite, and how many updates that makes
-    effective: an update that ran (optimizer.step()) with a finite loss and finite gradients is effective,
-    one that did not run is skipped; a non-finite update that ran is neither (it was applied). On CUDA the
+    effective: an update that ran (`StepMemory.stepped`, counted from what ran: every parameter's AdamW step
+    count moved on, or a step post-hook fired) with a finite loss and finite gradients is effective, one
+    that did not run is skipped; a non-finite update that ran is neither (it was applied). On CUDA the
     point must carry the allocator's peaks (refused otherwise)."""
 
     def key(c: Comparison) -> str:
