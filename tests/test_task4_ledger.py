@@ -446,6 +446,12 @@ def test_attention_dropout_moves_the_cpu_to_the_math_kernel_and_keeps_its_mask()
     assert ledger.attention_kernel(tiny, "fp32", "cpu", dropout=True) == "math"
     assert ledger.attention_kernel(tiny, "bf16", "cpu", padded=True, dropout=True) == "math"
     assert ledger.attention_kernel(tiny, "bf16", "cuda", dropout=True) == "flash"  # it takes a dropout_p
+    config = {**QWEN, "attention_dropout": 0.1}  # the calculator reads it from a config.json too
+    assert ledger.model_shape(config).attention_dropout == 0.1
+    assert ledger.training_state_lifecycle(config, 2, 32).attention == "math"
+    assert ledger.training_state_lifecycle(config, 2, 32, dropout=False).attention == "flash"
+    with pytest.raises(TrainmechError, match="attention_dropout"):
+        ledger.model_shape({**QWEN, "attention_dropout": 1.5})
     for c in ledger.measure_point("qwen2-tiny", 2, 32, attention_dropout=0.1):
         assert c.kernel == c.rule_kernel == "math"  # dispatched, and the rule agrees
         rows = {t.name: t.nbytes for t in c.predicted.layer_saved()}

@@ -331,7 +331,7 @@ def training_state_lifecycle(
     gradient_buffers: bool = False,
     weigh_rng: bool = False,
     repeat_kv: bool | None = None,
-    dropout: bool = False,
+    dropout: bool | None = None,
 ) -> Ledger:
     """The ledger of one training step: every state, its bytes and its lifecycle.
 
@@ -351,8 +351,9 @@ def training_state_lifecycle(
     weighed on this process's GPU (a CUDA run's own point; default: torch's meta kernel, the same on every
     machine). repeat_kv: K and V repeated to every head before SDPA (default: with padding, as transformers
     does; True without: a torch whose kernel refuses enable_gqa, where they must be repeated to run it).
-    dropout: attention dropout in the forward (a config's attention_dropout > 0, in train mode): on a CPU
-    the rule's kernel is then math, which keeps its dropout mask and dropped probabilities too.
+    dropout: attention dropout in the forward (default: the config's attention_dropout > 0; training runs in
+    train mode): on a CPU the rule's kernel is then math, which keeps its dropout mask and dropped
+    probabilities too.
     """
     shape = model_shape(config)
     b, s = _check_size("batch", batch), _check_size("seq", seq)
@@ -370,6 +371,7 @@ def training_state_lifecycle(
             "optimizer_in_backward updates inside every backward, so it cannot accumulate gradients over micro-batches"
         )
     impl = ("foreach" if device == "cuda" else "loop") if optimizer_impl == "auto" else optimizer_impl
+    dropout = shape.attention_dropout > 0 if dropout is None else bool(dropout)
     kernel = attention_kernel(shape, dtype, device, attention, padded=padded, dropout=dropout)
     setup = Setup(
         shape,
