@@ -439,6 +439,27 @@ def test_the_kernel_is_chosen_for_the_device_dtype_and_mask():
     assert padded["self_attn.sdpa_logsumexp"].shape == (2, 14, 512)  # the efficient kernel pads rows to 32
 
 
+def test_attention_dropout_moves_the_cpu_to_the_math_kernel_and_keeps_its_mask():
+    # torch's CPU flash kernel refuses dropout_p > 0 (sdp_utils_cpp.cpp, check_for_dropout): SDPA runs
+    # the math composite, which keeps the dropout mask and the dropped probabilities as well
+    tiny = ledger.model_shape("qwen2-tiny")
+    assert ledger.attention_kernel(tiny, "fp32", "cpu", dropout=True) == "math"
+    assert ledger.attention_kernel(tiny, "bf16", "cpu", padded=True, dropout=True) == "math"
+    assert ledger.attention_kernel(tiny, "bf16", "cuda", dropout=True) == "flash"  # it takes a dropout_p
+    config = {**QWEN, "attention_dropout": 0.1}  # the calculator reads it from a config.json too
+    assert ledger.model_shape(config).attention_dropout == 0.1
+    assert ledger.training_state_lifecycle(config, 2, 32).attention == "math"
+    assert ledger.training_state_lifecycle(config, 2, 32, dropout=False).attention == "flash"
+    with pytest.raises(TrainmechError, match="attention_dropout"):
+        ledger.model_shape({**QWEN, "attention_dropout": 1.5})
+    for c in ledger.measure_point("qwen2-tiny", 2, 32, attention_dropout=0.1):
+        assert c.kernel == c.rule_kernel == "math"  # dispatched, and the rule agrees
+        rows = {t.name: t.nbytes for t in c.predicted.layer_saved()}
+        assert rows["self_attn.dropout_mask"] == rows["self_attn.probs_dropped"] == rows["self_attn.probs"]
+        assert set(c.measured.saved_added_per_layer(tiny.num_layers)) == {sum(rows.values())}
+        assert c.predicted_peak == c.measured_peak and not c.lifecycle_differences()
+
+
 @pytest.mark.parametrize("attention", ["flash", "math"])
 def test_a_padded_batch_is_predicted_byte_for_byte(attention):
     for c in ledger.measure_point("qwen2-tiny", 2, 32, padded=True, attention=attention):
@@ -451,6 +472,21 @@ def test_a_padded_batch_is_predicted_byte_for_byte(attention):
 
 
 # ----------------------------------------------------------------------------- the update's variants, measured on CPU
+
+
+def test_the_loop_update_workspace_is_the_largest_two_temporaries_plus_the_previous_denom():
+    # exercise 4.3's hint: 4 · max_i (2 n_i + n_{i-1}) bytes, n_i in named_parameters() order; written
+    # from the model's own parameters, not the ledger's inventory
+    (c,) = ledger.measure_point("qwen2-tiny", 1, 16, optimizer_impl="loop", steps=("first",))
+    step = c.measured
+    measured = max(
+        step.by_category(k)["workspace"] for k, phase in enumerate(step.phases) if phase == "optimizer"
+    )
+    from trainmech import profiles, workload
+
+    model = workload.build_model(profiles.for_mode("cpu").model("qwen2-tiny"), seed=0).model
+    sizes = [p.numel() for p in model.parameters()]
+    assert measured == 4 * max(prev + 2 * cur for prev, cur in zip([0, *sizes], sizes))
 
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
@@ -1099,6 +1135,28 @@ def test_a_cpu_step_has_nothing_elsewhere_and_records_that_it_stepped():
         assert set(c.measured.elsewhere_at_end().values()) == {0}
 
 
+def test_a_step_that_did_not_update_is_recorded_as_skipped_whatever_the_caller_asked():
+    # stepped is counted from what ran (AdamW's per-parameter step counts, or a step post-hook), not
+    # from the update flag: a step() that updates nothing (a GradScaler skip) is a skipped update
+    from trainmech import measure, optimizers, profiles, workload
+
+    model = workload.build_model(profiles.for_mode("cpu").model("qwen2-tiny"), seed=0).model
+    data = workload.lm_batch("domain", 1, 16)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    assert measure.training_step_memory(model, adamw, data).stepped is True
+    adamw.step = lambda closure=None: None  # called, but no parameter is updated
+    assert measure.training_step_memory(model, adamw, data).stepped is False
+    assert measure.training_step_memory(model, adamw, data, update=False).stepped is False
+    model.zero_grad(set_to_none=True)  # no update: the gradients stayed
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-4)  # keeps no step count: its post-hook tells
+    assert measure.training_step_memory(model, sgd, data).stepped is True
+    in_backward = optimizers.OptimizerInBackward(model.parameters(), lambda ps: optimizers.adamw(ps, "loop"))
+    try:  # the updates run inside the backward, and are counted there
+        assert measure.training_step_memory(model, in_backward, data).stepped is True
+    finally:
+        in_backward.remove()
+
+
 def test_the_finiteness_check_sees_inf_and_nan_with_one_scalar_per_gradient():
     ok = [torch.ones(3), torch.full((2, 2), 3e38)]  # no overflow: the inf-norm takes max |g|
     assert measure._finite(1.0, ok) is True
@@ -1269,3 +1327,23 @@ def test_adamw_step_counters_are_device_states_only_where_torch_puts_them_there(
         assert (
             ledger.STEP_COUNTER_BYTES in pieces
         ) == on_device  # the allocator replays no host scalar as a block
+
+
+def test_the_precision_sweep_is_precision_changes_over_a_grid_and_matches_within_a_margin():
+    sweep = ledger.scenarios.precision_sweep(
+        "qwen2-tiny", (1, 2), (32, 64), device="cuda", dtype="autocast-fp16"
+    )
+    assert list(sweep) == [(1, 32), (1, 64), (2, 32), (2, 64)]
+    assert sweep[2, 64] == ledger.scenarios.precision_changes(
+        "qwen2-tiny", 2, 64, device="cuda", dtype="autocast-fp16"
+    )
+    some = sweep[2, 64][ledger.scenarios.PRECISION_PEAKS[2]]
+    hits = ledger.scenarios.matching_shapes(sweep, some, 0.0)
+    assert (2, 64, ledger.scenarios.PRECISION_PEAKS[2], some) in hits
+    assert all(change == some for *_, change in hits)
+    everything = ledger.scenarios.matching_shapes(sweep, 0.0, 10.0)
+    assert len(everything) == 4 * len(ledger.scenarios.PRECISION_PEAKS)
+    with pytest.raises(TrainmechError, match="within"):
+        ledger.scenarios.matching_shapes(sweep, 0.0, -0.01)
+    with pytest.raises(TrainmechError, match="at least one"):
+        ledger.scenarios.precision_sweep("qwen2-tiny", (), (32,), dtype="autocast-fp16")

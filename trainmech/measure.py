@@ -174,7 +174,8 @@ class StorageTracker(TorchDispatchMode):
 
     Set `tracker.phase` as the work moves on (hooks do it for a model, see `phase_hooks`). device: count
     only the storages on this device type ("cuda": device memory); the others (AdamW's step counters on
-    the host under foreach, an SDPA kernel's host-side seed) go to `elsewhere`, with no event of their own.
+    the host unless fused or capturable, foreach and the per-tensor loop alike; an SDPA kernel's
+    host-side seed) go to `elsewhere`, with no event of their own.
     None: every storage counts.
     """
 
@@ -417,7 +418,7 @@ class StepMemory:
     device: str | None = None  # the device type counted; None: every storage
     elsewhere: list[Allocation] = field(default_factory=list)  # storages on another device (no events)
     baseline_elsewhere: dict[str, int] = field(default_factory=dict)  # their baseline, by category
-    stepped: bool | None = None  # optimizer.step() ran after this backward (None: not recorded)
+    stepped: bool | None = None  # the update ran: counted from what ran (`_stepped`); None: not recorded
 
     def elsewhere_at_end(self) -> dict[str, int]:
         """Bytes on another device than the counted one when the step ended, by category (baseline
@@ -590,6 +591,9 @@ def training_step_memory(
     handles = phase_hooks(model, tracker)
     if hasattr(optimizer, "watch"):
         handles.append(optimizer.watch(tracker))
+    calls: list[int] = []  # optimizer.step() calls that returned (its step hooks ran)
+    handles.append(optimizer.register_step_post_hook(lambda *_: calls.append(1)))
+    counted_before = _step_counts(optimizer)
     precision = (
         torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     )
@@ -619,7 +623,7 @@ def training_step_memory(
         "device": device.type,
         "elsewhere": tracker.elsewhere,
         "baseline_elsewhere": baseline_elsewhere,
-        "stepped": update,
+        "stepped": _stepped(optimizer, counted_before, calls),
     }
     if seen is None:
         return StepMemory(
@@ -638,6 +642,27 @@ def training_step_memory(
         finite,
         **apart,
     )
+
+
+def _step_counts(optimizer: torch.optim.Optimizer) -> dict[int, float]:
+    """id(parameter) -> its state["step"] (AdamW's, Adam's: the updates each parameter has taken)."""
+    out = {}
+    for p, state in optimizer.state.items():
+        step = state.get("step") if isinstance(state, dict) else None
+        if step is not None:
+            out[id(p)] = float(step)
+    return out
+
+
+def _stepped(optimizer: torch.optim.Optimizer, before: dict[int, float], calls: list[int]) -> bool:
+    """Whether this step updated the parameters, from what ran: an optimizer that counts its updates per
+    parameter (state["step"]) stepped when every counted parameter's count moved on (inside the backward
+    too: `OptimizerInBackward`); one that keeps no count, when its step() returned (a step post-hook).
+    A skipped step (a GradScaler that found an inf, a step never called) leaves both unmoved."""
+    after = _step_counts(optimizer)
+    if after:
+        return all(count > before.get(key, 0.0) for key, count in after.items())
+    return bool(calls)
 
 
 def _finite(loss: float, grads: list[torch.Tensor]) -> bool | None:

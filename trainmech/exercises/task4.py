@@ -158,7 +158,7 @@ UNSEEN = (
 )
 WHY = {  # what dominates the moment the peak really falls in
     "backward.loss": "反向刚开始：前向留下的保存张量全部还在，再加两块 b·s·V·4 字节的 fp32 上游梯度（NLL 的梯度与 log-softmax 对 logits 的梯度）",
-    "optimizer": "更新时刻：全部梯度、两个 AdamW 矩，加上逐张量循环里最大张量的两份 sqrt 临时张量（工作区）；保存张量早已释放",
+    "optimizer": "更新时刻：全部梯度、两个 AdamW 矩，加上逐张量循环的临时张量（工作区：按参数顺序取 2·n_i + n_{i−1} 的最大值，乘 4 字节）；保存张量早已释放",
     "backward.embed": "共享权重的汇合时刻：输出头那份梯度在引擎里等着，查表那份到了，两者相加成 .grad：三块 V·h·4 字节同时存在",
 }
 

@@ -18,7 +18,9 @@ Read it one file at a time, in this order:
     zero.py         the per-device projection over N data-parallel devices (ZeRO stages, FSDP2)
     allocator.py    what `allocated` cannot see: CUDA's caching allocator, context, cuBLAS workspace
     formulas.py     published formulas beside it: ZeRO, Korthikanti, DeepSpeed's estimators
-    compare.py      predicted vs measured: at one point, and the scenario matrix's cells
+    compare.py      predicted vs measured at one point (measure_point, Comparison)
+    record.py       a point's allocator peaks and its TRAIN-STATE-LEDGER record fields
+    measured_matrix.py  the scenario matrix's cells, measured
     peers.py        the benchmark: the ledger, accelerate and DeepSpeed against the same measurements
     cli.py          python -m trainmech ledger
 """
@@ -33,19 +35,11 @@ from trainmech.ledger.compare import (
     CUDA_LIFECYCLE_TOLERANCE,
     CUDA_POINTS,
     CUDA_SLACK_BYTES_PER_LAYER,
-    AllocatedReserved,
     Comparison,
-    Measured,
-    allocated_reserved,
     clear_blas_workspaces,
-    measure_matrix,
     measure_point,
     measured_bytes_per_param,
-    measured_peaks,
-    measured_saved_after_forward,
     padded_batch,
-    record_fields,
-    tracked_step,
 )
 from trainmech.ledger.formulas import (
     deepspeed_zero2_gpu_bytes,
@@ -65,6 +59,13 @@ from trainmech.ledger.inventory import (
     layer_saved,
     rng_state_saved,
 )
+from trainmech.ledger.measured_matrix import (
+    Measured,
+    measure_matrix,
+    measured_peaks,
+    measured_saved_after_forward,
+    tracked_step,
+)
 from trainmech.ledger.peers import benchmark
 from trainmech.ledger.recipes import (
     FP32_BYTES,
@@ -75,6 +76,7 @@ from trainmech.ledger.recipes import (
     recipe,
     recipe_for_dtype,
 )
+from trainmech.ledger.record import AllocatedReserved, allocated_reserved, record_fields
 from trainmech.ledger.scenarios import Scenario, scenario_ledger, scenario_matrix
 from trainmech.ledger.shape import SUPPORTED_MODEL_TYPES, ModelShape, load_config, model_shape
 from trainmech.ledger.states import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS

@@ -258,13 +258,14 @@ class Ledger:
             "set_to_none": s.set_to_none,
             "weigh_rng": s.weigh_rng,
             "repeat_kv": s.repeat_kv,
+            "dropout": s.dropout,
         } | change
 
     def to_json(self) -> dict[str, Any]:
         peak, fwd_bwd = self.peak_overlap(), self.forward_backward_peak()
         s, options = self.setup, self.options()
         first_step = options.pop("first_step")
-        for how_measured in ("weigh_rng", "repeat_kv"):  # not the calculator's options
+        for how_measured in ("weigh_rng", "repeat_kv", "dropout"):  # not the calculator's options
             options.pop(how_measured)
         return (
             {
@@ -330,6 +331,7 @@ def training_state_lifecycle(
     gradient_buffers: bool = False,
     weigh_rng: bool = False,
     repeat_kv: bool | None = None,
+    dropout: bool | None = None,
 ) -> Ledger:
     """The ledger of one training step: every state, its bytes and its lifecycle.
 
@@ -349,6 +351,9 @@ def training_state_lifecycle(
     weighed on this process's GPU (a CUDA run's own point; default: torch's meta kernel, the same on every
     machine). repeat_kv: K and V repeated to every head before SDPA (default: with padding, as transformers
     does; True without: a torch whose kernel refuses enable_gqa, where they must be repeated to run it).
+    dropout: attention dropout in the forward (default: the config's attention_dropout > 0; training runs in
+    train mode): on a CPU the rule's kernel is then math, which keeps its dropout mask and dropped
+    probabilities too.
     """
     shape = model_shape(config)
     b, s = _check_size("batch", batch), _check_size("seq", seq)
@@ -366,7 +371,8 @@ def training_state_lifecycle(
             "optimizer_in_backward updates inside every backward, so it cannot accumulate gradients over micro-batches"
         )
     impl = ("foreach" if device == "cuda" else "loop") if optimizer_impl == "auto" else optimizer_impl
-    kernel = attention_kernel(shape, dtype, device, attention, padded=padded)
+    dropout = shape.attention_dropout > 0 if dropout is None else bool(dropout)
+    kernel = attention_kernel(shape, dtype, device, attention, padded=padded, dropout=dropout)
     setup = Setup(
         shape,
         b,
@@ -386,6 +392,7 @@ def training_state_lifecycle(
         bool(gradient_buffers),
         bool(weigh_rng),
         bool(padded if repeat_kv is None else repeat_kv),
+        bool(dropout),
     )
     states = step_states(setup)
     updated = {st.created.removesuffix(UPDATE_SUFFIX) for st in states if st.created.endswith(UPDATE_SUFFIX)}

@@ -1,9 +1,11 @@
 """The ledger beside a measurement: build the model, run tracked steps, pair each with its prediction.
 
     first, steady = measure_point("qwen2-small", 2, 128)     # a Comparison each: predicted, measured, error
-    allocated_reserved(first, steady)                        # allocated / reserved peaks: the allocator's, the model's
-    benchmark()                                              # every CPU point, with the peers' estimates beside
-    measure_matrix(model, batch, initial, strategies=…, optimizers=…)   # the scenario matrix's cells, measured
+    measured_bytes_per_param("qwen2-tiny", "bf16")          # model-state bytes per parameter, measured
+
+What a record says about a point (`allocated_reserved`, `record_fields`) is `trainmech.ledger.record`; the
+scenario matrix measured (`measure_matrix`) is `trainmech.ledger.measured_matrix`; the peers' estimates
+beside every CPU point (`benchmark`) are `trainmech.ledger.peers`.
 
 torch and trainmech.measure are imported inside the functions that run a model: the ledger itself imports without them.
 """
@@ -12,12 +14,9 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from itertools import product
 from typing import Any
 
-from trainmech.display import progress
 from trainmech.errors import TrainmechError
-from trainmech.ledger import allocator as allocator_model
 from trainmech.ledger.book import Ledger, training_state_lifecycle
 from trainmech.ledger.clock import UPDATES
 from trainmech.ledger.inventory import attention_kernel, kernel_of_ops
@@ -34,16 +33,7 @@ __all__ = [
     "Comparison",
     "padded_batch",
     "measure_point",
-    "AllocatedReserved",
-    "allocated_reserved",
-    "record_fields",
     "measured_bytes_per_param",
-    "UPDATE_TICKS",
-    "measured_peaks",
-    "measured_saved_after_forward",
-    "Measured",
-    "tracked_step",
-    "measure_matrix",
 ]
 
 # How `Comparison.measured_peak` was measured, by device type: what a record's metrics.measured_with says
@@ -227,6 +217,7 @@ def measure_point(
     allocator: str | None = None,
     warmup: bool | None = None,
     memory_history: bool = False,
+    attention_dropout: float = 0.0,
 ) -> list[Comparison]:
     """Build the profile's model, run tracked steps (the first, then a steady one) and pair each with its prediction.
 
@@ -246,6 +237,8 @@ def measure_point(
     the CUDA allocator's history of the measured steps, after the model is built and warmed up, so that
     only the steps' own blocks are in it (`Comparison.history`; empty off CUDA). On CUDA the allocator's
     cache is emptied first: what earlier models left cached does not count in this point's reserved peak.
+    attention_dropout: the config's attention dropout, drawn in the train-mode forward (on a CPU SDPA then
+    runs its math composite: `attention_kernel`).
     """
     import gc
 
@@ -276,7 +269,9 @@ def measure_point(
         else torch.float16
     )
     autocast = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(dtype)
-    built = workload.build_model(profile.model(model), seed=seed, dtype=model_dtype, device=device)
+    built = workload.build_model(
+        profile.model(model), seed=seed, dtype=model_dtype, device=device, attention_dropout=attention_dropout
+    )
     if checkpointing == "full":
         enable = (
             getattr(built.model, "activation_checkpointing_enable", None)
@@ -306,7 +301,8 @@ def measure_point(
             workspace = None  # workspaces that could not be freed would be measured as 0: unknown instead
     optimizer = _optimizer(built.model.parameters(), optimizer_impl, optimizer_in_backward)
     shape = model_shape(built.model.config)
-    rule = attention_kernel(shape, dtype, device.type, attention, padded=padded)
+    dropout = attention_dropout > 0
+    rule = attention_kernel(shape, dtype, device.type, attention, padded=padded, dropout=dropout)
     out = []
     recording = (
         measure.cuda_memory_history(device) if memory_history else nullcontext(measure.MemoryHistory())
@@ -345,6 +341,7 @@ def measure_point(
                             set_to_none=set_to_none,
                             weigh_rng=device.type
                             == "cuda",  # the RNG state of the kernel that ran, weighed here
+                            dropout=dropout,
                         )
                         out.append(
                             Comparison(
@@ -391,231 +388,3 @@ def measured_bytes_per_param(model: str, dtype: str, *, run_mode: str = "cpu", s
     moments = step.by_category(len(step.live) - 1)["optimizer_states"] - counters
     total = step.baseline["parameters"] + gradients + moments
     return total // shape.n_params if total % shape.n_params == 0 else total / shape.n_params
-
-
-# ----------------------------------------------------------------------------- the scenario matrix, measured
-
-
-UPDATE_TICKS = ("optimizer", "zero_grad")  # a tracked step's events after its backward
-
-
-def measured_peaks(step_memory) -> tuple[int, int]:
-    """(forward + backward peak, whole-update peak) of a tracked step (trainmech.measure.StepMemory), in
-    tracked tensor bytes with the baseline the step started from."""
-    base = sum(step_memory.baseline.values())
-    before_update = [
-        live for live, phase in zip(step_memory.live, step_memory.phases) if phase not in UPDATE_TICKS
-    ]
-    return base + max(before_update), step_memory.peak_bytes
-
-
-def measured_saved_after_forward(step_memory) -> int:
-    """Saved bytes alive at the last event of a tracked step's forward (the loss included)."""
-    last = max(k for k, phase in enumerate(step_memory.phases) if phase.startswith(("forward", "loss")))
-    return step_memory.by_category(last)["saved"]
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One scenario measured: tracked tensor bytes (any device), and the CUDA allocator's peaks (None elsewhere)."""
-
-    forward_backward_bytes: int
-    whole_bytes: int
-    forward_backward_allocated: int | None = None
-    whole_allocated: int | None = None
-    whole_reserved: int | None = None
-
-
-def tracked_step(model, optimizer, batch: dict, context=None):
-    """One tracked training step (trainmech.measure.training_step_memory) inside `context(model)`, if given."""
-    from trainmech import measure
-
-    with context(model) if context is not None else nullcontext():
-        return measure.training_step_memory(model, optimizer, batch)
-
-
-def measure_matrix(
-    model, batch: dict, initial: dict, *, strategies: dict, optimizers: dict
-) -> dict[tuple, Measured]:
-    """Each (strategy, update, optimizer): a fresh optimizer from `optimizers[name](params)` on the initial weights,
-    then the first update and a steady one, each tracked; on CUDA the same two updates again, untracked, with
-    the allocator's peaks read after the backward and after the step. strategies: name -> (model -> context) or None."""
-    device = next(model.parameters()).device
-    out = {}
-    cells = list(product(optimizers.items(), strategies.items()))
-    for (opt_name, make), (name, context) in progress(cells, desc="scenarios", unit="scenario"):
-        model.load_state_dict(initial)
-        model.zero_grad(set_to_none=True)
-        optimizer = make(model.parameters())
-        tracked = [measured_peaks(tracked_step(model, optimizer, batch, context)) for _ in UPDATES]
-        getattr(optimizer, "remove", lambda: None)()
-        probes = [(None, None, None)] * len(UPDATES)
-        if device.type == "cuda":
-            model.load_state_dict(initial)
-            optimizer = make(model.parameters())
-            probes = [_allocator_probe(model, optimizer, batch, context) for _ in UPDATES]
-            getattr(optimizer, "remove", lambda: None)()
-        for update, (fb, whole), probe in zip(UPDATES, tracked, probes):
-            out[(name, update, opt_name)] = Measured(fb, whole, *probe)
-    model.load_state_dict(initial)
-    return out
-
-
-def _allocator_probe(model, optimizer, batch: dict, context) -> tuple[int, int, int]:
-    """CUDA: (forward + backward allocated peak, whole-update allocated peak, whole-update reserved peak) of one update."""
-    import torch
-
-    from trainmech import measure
-
-    device = next(model.parameters()).device
-    torch.cuda.empty_cache()
-    measure.reset_cuda_peaks(device)
-    with context(model) if context is not None else nullcontext():
-        model(**batch, use_cache=False).loss.backward()
-    forward_backward = measure.cuda_peaks(device)["peak_allocated_bytes"]
-    optimizer.step()
-    whole = measure.cuda_peaks(device)
-    optimizer.zero_grad(set_to_none=True)
-    return forward_backward, whole["peak_allocated_bytes"], whole["peak_reserved_bytes"]
-
-
-@dataclass(frozen=True)
-class AllocatedReserved:
-    """已分配显存与保留显存 (allocated / reserved memory) of one step: the peaks an allocator counted, beside
-    the tracked tensors and the allocator model's prediction of both.
-
-    source: "cuda" (torch.cuda's statistics) or "cpu-profiler" (the CPU allocator under torch.profiler).
-    measured_allocated: the allocator's peak over the step minus what was on the device besides the
-    baseline (`StepMemory.step_peak_allocated_bytes`); measured_reserved: the CUDA allocator's reserved
-    peak (None: the CPU allocator reserves nothing it reports). model: the CUDA caching allocator's
-    model (`ledger.allocator.cuda_peaks`) replaying the first update and then this one.
-    """
-
-    source: str
-    tracked_bytes: int
-    measured_allocated: int
-    measured_reserved: int | None
-    model: Any  # trainmech.ledger.allocator.CudaPeaks
-
-    @property
-    def tracked_error(self) -> float:
-        """(allocator − tracked) / tracked: what the allocator holds beyond tensor storages (rounding, scratch)."""
-        return self.measured_allocated / self.tracked_bytes - 1
-
-    @property
-    def allocated_error(self) -> float:
-        """(model − measured) / measured of the allocated peak."""
-        return self.model.allocated_peak / self.measured_allocated - 1
-
-    @property
-    def reserved_error(self) -> float | None:
-        """(model − measured) / measured of the reserved peak; None where the allocator reports none."""
-        if self.measured_reserved is None:
-            return None
-        return self.model.reserved_peak / self.measured_reserved - 1
-
-    def lines(self) -> list[str]:
-        """The allocated peak beside the tracked tensors; on CUDA the allocator model's two peaks beside it."""
-        who = "the CPU allocator, counted by torch.profiler" if self.source == "cpu-profiler" else "CUDA"
-        out = [
-            f"allocated peak of the update ({who}): {self.measured_allocated:,}   "
-            f"tracked tensors {self.tracked_bytes:,} ({self.tracked_error:+.2%})"
-        ]
-        if self.measured_reserved is None:
-            return out + [
-                "reserved peak: unknown (this allocator reports none); the allocator model predicts CUDA's "
-                "caching allocator, which does not run here"
-            ]
-        return out + [
-            f"allocator model: allocated {self.model.allocated_peak:,} ({self.allocated_error:+.1%}), reserved "
-            f"{self.model.reserved_peak:,} ({self.reserved_error:+.1%} of the measured {self.measured_reserved:,}, "
-            "whole process)"
-        ]
-
-
-def allocated_reserved(first: Comparison, steady: Comparison) -> AllocatedReserved:
-    """The steady update's allocated / reserved peaks (measured with an allocator: CUDA's, or
-    allocator="cpu-profiler"), beside its tracked tensor peak and the allocator model's replay of the
-    first update and then this one."""
-    got = steady.measured
-    if got.step_peak_allocated_bytes is None:
-        raise TrainmechError(
-            "this step was measured without an allocator: measure_point(..., allocator='cpu-profiler') on a CPU, "
-            "or on CUDA, where the caching allocator is counted by default"
-        )
-    return AllocatedReserved(
-        "cpu-profiler" if got.peak_reserved_bytes is None else "cuda",
-        got.peak_bytes,
-        got.step_peak_allocated_bytes,
-        got.peak_reserved_bytes,
-        allocator_model.cuda_peaks(first.predicted, steady.predicted),
-    )
-
-
-def record_fields(
-    point: Comparison, points: list[Comparison], *, worst_error: float, on_cuda: bool, updates=None
-) -> dict:
-    """The `resources`, `metrics` and `correctness` of a TRAIN-STATE-LEDGER record: one point predicted
-    against measured, beside every point of the run (`model/bBsS/step` -> bytes and error).
-
-    resources: the CUDA allocator's peaks of the step itself (allocated: `step_peak_allocated_bytes`,
-    what else the process held subtracted; reserved: after `measure_point` emptied the cache), null on a
-    CPU. metrics: `measured_*` in the instrument `measured_with` names (the allocator on CUDA, the tracker
-    on a CPU), `tracked_*` always the tracker's tensor storages. correctness: whether the loss and every
-    gradient of `updates` (default: the point alone) were finite, and how many updates that makes
-    effective: an update that ran (optimizer.step()) with a finite loss and finite gradients is effective,
-    one that did not run is skipped; a non-finite update that ran is neither (it was applied). On CUDA the
-    point must carry the allocator's peaks (refused otherwise)."""
-
-    def key(c: Comparison) -> str:
-        return f"{c.model}/b{c.batch}s{c.seq}/{c.step}"
-
-    peak, measured = point.predicted.peak_overlap(), point.measured
-    if on_cuda and measured.peak_allocated_bytes is None:
-        raise TrainmechError(
-            "a CUDA record needs the allocator's peaks: this point was measured without them"
-        )
-    steps = [c.measured for c in (updates or [point])]
-    finite = [m.all_finite for m in steps]
-    all_finite = None if None in finite else all(finite)
-    stepped = [m.stepped is not False for m in steps]  # None (not recorded): the step is assumed to have run
-    forward_backward = measured.forward_backward_allocated_bytes if on_cuda else None
-    return {
-        "resources": {
-            "peak_allocated_bytes": measured.step_peak_allocated_bytes if on_cuda else None,
-            "peak_reserved_bytes": measured.peak_reserved_bytes if on_cuda else None,
-        },
-        "correctness": {
-            "all_finite": all_finite,
-            "skipped_updates": sum(not ran for ran in stepped),
-            "effective_updates": None
-            if all_finite is None
-            else sum(ran and bool(f) for ran, f in zip(stepped, finite)),
-        },
-        "metrics": {
-            "predicted_peak_bytes": point.predicted_peak,
-            "measured_peak_bytes": point.measured_peak,
-            "peak_error": point.error,
-            "measured_with": MEASURED_PEAK_WITH["cuda" if on_cuda else "cpu"],
-            "tracked_peak_bytes": measured.peak_bytes,
-            "cpu_tracked_peak_bytes": None if on_cuda else measured.peak_bytes,
-            "worst_abs_error_all_points": worst_error,
-            "attention_kernel": point.kernel,
-            "attention_kernel_rule": point.rule_kernel,
-            "optimizer_impl": point.predicted.setup.optimizer_impl,
-            "predicted_peak_phase": peak.phase,
-            "measured_peak_phase": measured.peak_phase,
-            "predicted_forward_backward_peak_bytes": point.predicted.forward_backward_peak().bytes,
-            "measured_forward_backward_peak_bytes": forward_backward
-            if on_cuda
-            else point.measured_forward_backward_peak,
-            "tracked_forward_backward_peak_bytes": point.measured_forward_backward_peak,
-            "blas_workspace_bytes": point.workspace_bytes,
-            "allocated_outside_step_bytes": measured.outside_bytes,
-            "predicted_by_category": peak.by_category,
-            "measured_by_category": measured.by_category(),
-            "points_predicted_bytes": {key(c): c.predicted_peak for c in points},
-            "points_measured_bytes": {key(c): c.measured_peak for c in points},
-            "points_error": {key(c): c.error for c in points},
-        },
-    }

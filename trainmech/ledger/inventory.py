@@ -61,11 +61,21 @@ class SavedTensor:
 
 
 def attention_kernel(
-    shape: ModelShape, recipe_name: str, device: str, attention: str = "auto", *, padded: bool = False
+    shape: ModelShape,
+    recipe_name: str,
+    device: str,
+    attention: str = "auto",
+    *,
+    padded: bool = False,
+    dropout: bool = False,
 ) -> str:
     """The ledger's rule for the SDPA kernel of this layer (flash / efficient / cudnn / math).
 
-    CPU: its flash kernel, for any dtype, with or without a mask (what torch 2.13 dispatches). CUDA,
+    CPU: its flash kernel, for any dtype, with or without a mask, as long as there is no attention
+    dropout; with dropout_p > 0 (a config's attention_dropout, in train mode) the math composite, whose
+    softmax is followed by a dropout (torch 2.13's sdp_utils_cpp.cpp: the CPU flash kernel's constraints
+    include check_for_dropout; measured by tests/test_task4_ledger.py). CUDA, dropout or not (its flash,
+    memory-efficient and cuDNN kernels take a dropout_p),
     on paper: a padded batch comes with an attention mask, which the flash kernel refuses, so
     transformers repeats K and V to every head and the memory-efficient kernel runs. Without a mask:
     flash for 16-bit activations (autocast included); in fp32 the memory-efficient kernel, except
@@ -83,7 +93,7 @@ def attention_kernel(
     if attention != "auto":
         return attention
     if device == "cpu":
-        return "flash"
+        return "math" if dropout else "flash"
     if padded:
         return "efficient"
     if recipe(recipe_name).sixteen_bit:
@@ -195,6 +205,7 @@ def attention_saved(
     *,
     weigh_rng: bool = False,
     repeat_kv: bool | None = None,
+    dropout: bool = False,
 ) -> list[SavedTensor]:
     """What SDPA keeps (and, with a mask, transformers' repeated K and V).
 
@@ -210,6 +221,9 @@ def attention_saved(
     kernels also keep their RNG seed and offset (`rng_state_saved`, weighed on the GPU with weigh_rng).
     repeat_kv: K and V repeated to every head before SDPA (default: with a mask, as transformers does;
     True without one: a torch whose kernel refuses enable_gqa needs them repeated to run it).
+    dropout: the math composite drops out its probabilities (at::dropout: a scaled Bernoulli mask of the
+    activations' dtype, kept by the multiply, and the dropped probabilities, kept by probs @ v), two more
+    s×s tensors; the fused kernels draw their mask inside and keep only their RNG state.
     """
     heads, kv_heads, d, act = shape.num_heads, shape.num_kv_heads, shape.head_dim, element_bytes
     if kernel == "math":
@@ -218,6 +232,14 @@ def attention_saved(
             SavedTensor("self_attn.k_scaled_t", (b, heads, d, s), act, "attention"),  # repeated to all heads
             SavedTensor("self_attn.v_repeated", (b, heads, s, d), act, "mlp"),
             SavedTensor("self_attn.probs", (b, heads, s, s), act, "attention"),  # the s² term
+            *(
+                [
+                    SavedTensor("self_attn.dropout_mask", (b, heads, s, s), act, "mlp"),
+                    SavedTensor("self_attn.probs_dropped", (b, heads, s, s), act, "mlp"),
+                ]
+                if dropout
+                else []
+            ),
             SavedTensor("self_attn.attn_out", (b, s, heads * d), act, "mlp"),
         ]  # o_proj's input
     rows = -(-s // 32) * 32 if kernel == "efficient" else s
@@ -283,24 +305,26 @@ def layer_saved(
     padded: bool = False,
     weigh_rng: bool = False,
     repeat_kv: bool | None = None,
+    dropout: bool = False,
 ) -> list[SavedTensor]:
     """The tensors autograd keeps for one decoder layer's backward (transformers Qwen2/Llama, SDPA attention).
 
     kernel "auto": the one `attention_kernel` picks for this device, recipe and mask. weigh_rng: weigh the
     fused kernel's RNG state on this process's GPU (a CUDA run's own point), else torch's meta kernel
-    gives it. repeat_kv: see `attention_saved` (default: with the mask). In fp32 the
+    gives it. repeat_kv, dropout: see `attention_saved` (repeat_kv's default: with the mask); dropout also
+    moves the rule's CPU kernel to math (`attention_kernel`). In fp32 the
     input_layernorm's x is the layer input itself (created by the layer before); with 16-bit
     activations both norms keep an fp32 upcast copy of their input instead; under autocast the
     residual stream stays fp32 and the projections keep 16-bit copies (`_autocast_copies`).
     """
     dtypes = recipe(recipe_name)
-    kernel = attention_kernel(shape, recipe_name, device, kernel, padded=padded)
+    kernel = attention_kernel(shape, recipe_name, device, kernel, padded=padded, dropout=dropout)
     if dtypes.autocast and kernel == "math":
         raise TrainmechError(
             "the ledger does not model SDPA's math kernel under autocast (it runs flash or efficient there)"
         )
     b, s, h, inner, act = batch, seq, shape.hidden_size, shape.intermediate_size, dtypes.activation_bytes
-    extra = {"weigh_rng": weigh_rng, "repeat_kv": repeat_kv}
+    extra = {"weigh_rng": weigh_rng, "repeat_kv": repeat_kv, "dropout": dropout}
     if dtypes.autocast:  # the residual stream and the norms stay fp32; matmuls read 16-bit copies
         attention = attention_saved(shape, b, s, act, kernel, padded, device, **extra)
         copies = _autocast_copies(shape, b, s, act)

@@ -12,9 +12,11 @@ re-derived) and put the cases side by side:
     render_rows(rows, …)      one line per scenario, optionally beside its measurement (Task5)
     variants(config, b, s)    the update's own options on the steady whole-update peak
     precision_changes(config, b, s, dtype=…)   every peak the ledger predicts, one recipe against fp32
+    precision_sweep(config, batches, seqs, dtype=…)   the same over a grid of shapes; `matching_shapes` finds
+                              the shapes and peaks whose change lies near a quoted one
 
-Measuring the same cells (`measure_matrix`, `measured_peaks`) lives beside the other measurements in
-`trainmech.ledger.compare`.
+Measuring the same cells (`measure_matrix`, `measured_peaks`) is
+`trainmech.ledger.measured_matrix`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ __all__ = [
     "variants",
     "PRECISION_PEAKS",
     "precision_changes",
+    "precision_sweep",
+    "matching_shapes",
     "render_measured",
 ]
 
@@ -346,6 +350,35 @@ def precision_changes(
     (CUDA's caching allocator; reserved is the process's, cumulative). options: as training_state_lifecycle."""
     ours, theirs = (_precision_peaks(config, batch, seq, d, options) for d in (dtype, reference))
     return {name: ours[name] / theirs[name] - 1 for name in PRECISION_PEAKS}
+
+
+def precision_sweep(
+    config, batches, seqs, *, dtype: str, reference: str = "fp32", **options
+) -> dict[tuple[int, int], dict[str, float]]:
+    """(batch, seq) -> `precision_changes` of that shape, for every shape of the grid batches × seqs: on
+    which shape, and in which peak, a quoted change of `dtype` against `reference` could have been seen."""
+    if not batches or not seqs:
+        raise TrainmechError("precision_sweep needs at least one batch and one seq")
+    return {
+        (b, s): precision_changes(config, b, s, dtype=dtype, reference=reference, **options)
+        for b in batches
+        for s in seqs
+    }
+
+
+def matching_shapes(
+    sweep: dict[tuple[int, int], dict[str, float]], target: float, within: float
+) -> list[tuple[int, int, str, float]]:
+    """(batch, seq, peak, change) of every sweep entry whose change lies within `within` of `target` (both
+    fractions: -0.107 is -10.7 %; within 0.01 is one percentage point), in the sweep's order."""
+    if within < 0:
+        raise TrainmechError(f"within must be >= 0, got {within}")
+    return [
+        (b, s, peak, change)
+        for (b, s), changes in sweep.items()
+        for peak, change in changes.items()
+        if abs(change - target) <= within
+    ]
 
 
 def render_measured(points: dict[str, tuple]) -> tuple[str, int]:

@@ -55,6 +55,7 @@ class ModelShape:
     qkv_bias: bool  # Qwen2: always; Llama/Mistral: attention_bias
     o_bias: bool = False
     mlp_bias: bool = False
+    attention_dropout: float = 0.0  # dropout_p of SDPA in train mode (> 0: the CPU runs the math kernel)
 
     def parameter_tensors(self) -> list[tuple[str, int]]:
         """(name, elements) of every distinct parameter tensor in model.named_parameters() order; a tied head once."""
@@ -214,6 +215,9 @@ def model_shape(source: Any) -> ModelShape:
             f"({'the ' + model_type + ' default' if kv_given is None else 'given'})"
         )
     attention_bias = bool(getattr(full, "attention_bias", False))
+    dropout = cfg.get("attention_dropout") or 0.0  # transformers defaults it to 0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise TrainmechError(f"{name}: attention_dropout must be a number in [0, 1), got {dropout!r}")
     return ModelShape(
         name=name,
         model_type=model_type,
@@ -228,4 +232,5 @@ def model_shape(source: Any) -> ModelShape:
         qkv_bias=model_type == "qwen2" or attention_bias,
         o_bias=model_type != "qwen2" and attention_bias,
         mlp_bias=bool(getattr(full, "mlp_bias", False)),
+        attention_dropout=float(dropout),
     )

@@ -68,6 +68,7 @@ class Setup:
     repeat_kv: bool = (
         False  # K and V repeated to every head before SDPA (a mask; or a kernel refusing enable_gqa)
     )
+    dropout: bool = False  # attention dropout (dropout_p > 0): the math composite keeps its mask too
 
     @property
     def dtypes(self) -> Recipe:
@@ -100,6 +101,7 @@ def layer_rows(setup: Setup) -> list[SavedTensor]:
         padded=setup.padded,
         weigh_rng=setup.weigh_rng,
         repeat_kv=setup.repeat_kv,
+        dropout=setup.dropout,
     )
 
 
@@ -476,7 +478,8 @@ def _state_bytes_per_tensor(setup: Setup) -> tuple[int, int]:
         per_element += 2 * dtypes.moment_bytes
     elif setup.optimizer == "sgd-momentum":
         per_element += dtypes.moment_bytes
-    # AdamW's state["step"]: one fp32 scalar per tensor, on the host unless fused (so 0 device bytes on CUDA)
+    # AdamW's state["step"]: one fp32 scalar per tensor, on the host unless fused or capturable (torch/optim/adam.py
+    # _init_group: foreach and the per-tensor loop alike), so 0 device bytes on CUDA for those two
     counters = (
         STEP_COUNTER_BYTES
         if setup.optimizer == "adamw" and (setup.device == "cpu" or setup.optimizer_impl == "fused")
