@@ -260,10 +260,22 @@ class _Nothing:
 
 
 class CommCounter:
-    """A TorchDispatchMode that counts every c10d collective and its payload (see Collective)."""
+    """A TorchDispatchMode that counts every c10d collective and its payload (see Collective).
+
+    On the CPU (gloo) it also makes each collective's release of memory deterministic (`_settle`). gloo
+    runs a collective on a thread of its own, and that thread drops its reference to the collective's
+    Work only after `wait()` has returned; whenever it was the last reference, a buffer the engine had
+    already dropped (FSDP2's all-gather output, say) was freed on gloo's thread at a moment the
+    scheduler chose, and a loaded machine moved the tracked peak from one run to the next. So the mode
+    waits for the collective, hands the caller an already completed Work instead of gloo's, and waits
+    until gloo's thread has let go of the collective's tensors. On the CPU nothing overlaps with a
+    collective anyway, and the main thread's operations run in the same order. Only FSDP2's all-gather and
+    reduce-scatter are settled: their callers only wait on the Work, while DDP's reducer chains on its
+    future, and DDP's and ZeroRedundancyOptimizer's collectives move tensors that outlive them."""
 
     # which argument is the whole tensor: an all-gather's output, a reduce-scatter's input, otherwise the tensor
     WHOLE = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}
+    SETTLE_TIMEOUT_S = 10.0
 
     def __new__(cls):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -274,17 +286,44 @@ class CommCounter:
                 self.collectives: dict[str, Collective] = {}
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.namespace == "c10d" and func.__name__.split(".")[0] != "barrier":
-                    from trainmech.saved_state import flat_tensors
+                if func.namespace != "c10d" or func.__name__.split(".")[0] == "barrier":
+                    return func(*args, **(kwargs or {}))
+                from trainmech.saved_state import flat_tensors
 
-                    name = func.__name__.split(".")[0]
-                    tensors = flat_tensors(args[cls.WHOLE.get(name, 0)])
-                    c = self.collectives.setdefault(name, Collective())
-                    c.calls += 1
-                    c.payload_bytes += sum(t.numel() * t.element_size() for t in tensors)
-                return func(*args, **(kwargs or {}))
+                name = func.__name__.split(".")[0]
+                tensors = flat_tensors(args[cls.WHOLE.get(name, 0)])
+                c = self.collectives.setdefault(name, Collective())
+                c.calls += 1
+                c.payload_bytes += sum(t.numel() * t.element_size() for t in tensors)
+                every = flat_tensors([args, kwargs or {}])
+                if name not in cls.WHOLE or any(t.device.type != "cpu" for t in every):
+                    return func(*args, **(kwargs or {}))
+                before = [t._use_count() for t in every]
+                return cls._settle(func(*args, **(kwargs or {})), every, before)
 
         return _Mode()
+
+    @classmethod
+    def _settle(cls, result, tensors, before):
+        """`result` with gloo's Work waited for and replaced by a completed one, once every tensor's use
+        count is back where it was before the call (gloo's Work, which holds them, is gone)."""
+        import torch
+
+        done = torch._C._distributed_c10d.FakeWork().boxed()
+        items = list(result) if isinstance(result, (tuple, list)) else [result]
+        for i, item in enumerate(items):
+            if isinstance(item, torch.ScriptObject) and hasattr(item, "wait"):
+                item.wait()
+                items[i] = done
+        del item, result  # the caller keeps no handle on gloo's Work: gloo's thread holds the last one
+        deadline = time.monotonic() + cls.SETTLE_TIMEOUT_S
+        while any(t._use_count() > n for t, n in zip(tensors, before)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"gloo still held a collective's tensors {cls.SETTLE_TIMEOUT_S:g} s after it completed"
+                )
+            time.sleep(0)  # let gloo's thread finish
+        return tuple(items) if len(items) > 1 else items[0]
 
 
 class _FSDPTracker:
