@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from trainmech.checks import dtype_name
 from trainmech.exercises.harness import (
@@ -18,24 +19,28 @@ from trainmech.exercises.harness import (
     _Wrong,
 )
 
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
+
 
 def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _tensors_in(obj, depth: int = 0) -> list[torch.Tensor]:
-    """Tensors reachable from a packed value (tuples, lists, dicts, plain objects; a few levels)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if depth > 3:
-        return []
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        obj = list(vars(obj).values())
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors_in(item, depth + 1)]
-    return []
+def _tensors_in(packed, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors reachable from a learner's packed value.
+
+    Not `saved_state.flat_tensors` alone: its pytree walk covers tuples, lists and dicts, but a pack hook
+    may also return a plain object (a small class or a dataclass holding the tensor), which pytree
+    keeps as one opaque leaf; such an object would hide an alias of `t` and be counted as moved. So
+    the nest is walked with pytree and each plain object's attributes with it in turn (a few levels).
+    """
+    found = []
+    for leaf in tree_leaves(packed):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif depth < 3 and hasattr(leaf, "__dict__") and not isinstance(leaf, type):
+            found += _tensors_in(vars(leaf), depth + 1)
+    return found
 
 
 def _offload_model():
