@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from trainmech.candidates import Candidate, GateWorkload
 from trainmech.checks import num
 from trainmech.decision import RECORD_DECISION, decide
+from trainmech.display import format_table
 from trainmech.gates import (
     EVIDENCE_LEVEL,
     GATES,
@@ -336,30 +337,49 @@ def strategy_table(reference: Performance, reports: dict[str, Report]) -> str:
     cell = lambda v, fmt: "null" if v is None else format(v, fmt)  # noqa: E731
     change = lambda v, ref: f"{v / ref - 1:+.0%}"  # noqa: E731
     gpu = reference.on_gpu
-    head = (
-        f"{'candidate':<20} {'|Δ held-out|':>13} {'bound':>8} {'tracked fwd+bwd':>16} {'vs ref':>7} "
-        f"{'tracked update':>15} {'vs ref':>7} {'B/sequence':>11} {'vs ref':>7} {'peak reserved':>14} "
-        f"{'peak allocated':>15} {'median x':>9} {'P95 s':>8}  outcome"
-    )
+    header = [
+        "candidate",
+        "|Δ held-out|",
+        "bound",
+        "tracked fwd+bwd",
+        "vs ref",
+        "tracked update",
+        "vs ref",
+        "B/sequence",
+        "vs ref",
+        "peak reserved",
+        "peak allocated",
+        "median x",
+        "P95 s",
+        "outcome",
+    ]
 
     def row(name, p, delta, bound, ratio, outcome, changes=True):
         ref = reference
-        return (
-            f"{name:<20} {delta:>13} {bound:>8} {p.tracked_forward_backward_bytes:>16,} "
-            f"{change(p.tracked_forward_backward_bytes, ref.tracked_forward_backward_bytes) if changes else '':>7} "
-            f"{p.tracked_peak_bytes:>15,} {change(p.tracked_peak_bytes, ref.tracked_peak_bytes) if changes else '':>7} "
-            f"{p.bytes_per_row:>11,} {change(p.bytes_per_row, ref.bytes_per_row) if changes else '':>7} "
-            f"{cell(p.peak_reserved_bytes, ','):>14} {cell(p.peak_allocated_bytes, ','):>15} {cell(ratio, '.2f'):>9} "
-            f"{cell(p.step_time_p95_s if gpu else None, '.4f'):>8}  {outcome}"
-        )
+        return [
+            name,
+            delta,
+            bound,
+            p.tracked_forward_backward_bytes,
+            change(p.tracked_forward_backward_bytes, ref.tracked_forward_backward_bytes) if changes else "",
+            p.tracked_peak_bytes,
+            change(p.tracked_peak_bytes, ref.tracked_peak_bytes) if changes else "",
+            p.bytes_per_row,
+            change(p.bytes_per_row, ref.bytes_per_row) if changes else "",
+            cell(p.peak_reserved_bytes, ","),
+            cell(p.peak_allocated_bytes, ","),
+            cell(ratio, ".2f"),
+            cell(p.step_time_p95_s if gpu else None, ".4f"),
+            outcome,
+        ]
 
-    lines = [head, row("fp32-baseline", reference, "", "", 1.0 if gpu else None, "", changes=False)]
+    rows = [row("fp32-baseline", reference, "", "", 1.0 if gpu else None, "", changes=False)]
     for name, r in reports.items():
         p, q = r.performance, r.verdict("quality").evidence
         ratio = p.step_time_median_s / r.reference_performance.step_time_median_s if gpu else None
-        lines.append(
+        rows.append(
             row(
                 name, p, against_bound(q["delta"], q["bound"]), num(q["bound"], 2), ratio, r.outcome or "null"
             )
         )
-    return "\n".join(lines)
+    return format_table(header, rows)

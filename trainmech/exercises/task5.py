@@ -108,18 +108,18 @@ def _task5_offload(run: _Run) -> None:
         return (t.detach().clone(), t.stride()), packed  # a private copy to compare the unpacked tensor with
 
     def unpack_watch(value):
-        (ref, stride), packed = value
+        (original, stride), packed = value
         t = unpack(packed)
         stats["unpacked"] += 1
         if not isinstance(t, torch.Tensor):
             stats["differ"].append(f"返回了 {type(t).__name__}")
-        elif t.dtype != ref.dtype or t.shape != ref.shape:
+        elif t.dtype != original.dtype or t.shape != original.shape:
             stats["differ"].append(
-                f"{tuple(ref.shape)} {dtype_name(ref.dtype)} 取回成了 {tuple(t.shape)} {dtype_name(t.dtype)}"
+                f"{tuple(original.shape)} {dtype_name(original.dtype)} 取回成了 {tuple(t.shape)} {dtype_name(t.dtype)}"
             )
-        elif not torch.equal(t, ref):
+        elif not torch.equal(t, original):
             stats["differ"].append(
-                f"{tuple(ref.shape)} 的数值变了（max|Δ|={(t.double() - ref.double()).abs().max().item():.1e}）"
+                f"{tuple(original.shape)} 的数值变了（max|Δ|={(t.double() - original.double()).abs().max().item():.1e}）"
             )
         return t
 
