@@ -15,15 +15,16 @@ fails; a fifth stage measures and never passes or fails:
                    training moved it
     5 performance  a measurement, not a gate (its verdict's `passed` is None), only after 1-4 passed
 
-Here: the reference and its noise floor, the tolerances and the four gates (`correctness_gate` applies
-them in order); the decision rule (`DecisionRule`, `RULE`, `decide`) is trainmech.decision, re-exported here. Running a candidate through
-all five stages and the report it gives are trainmech.gate_report:
+Here: the four gates (`correctness_gate` applies them in order). The reference, its noise floor and the
+tolerances are trainmech.tolerances; the decision rule (`DecisionRule`, `RULE`, `decide`) is
+trainmech.decision; both re-exported here. Running a candidate through all five stages and the report it
+gives are trainmech.gate_report:
 
     ref = gates.make_reference(gw)                   # the FP32 baseline's trace, and its noise floor
     report = gate_report.judge(candidate, gw, ref)   # gates 1-4, then the measurement, then `decide`
     report.outcome, report.reason                    # accept / tune / no-gain / costs-memory / reject, or None
 
-Tolerances (`tolerances`) start from the dtype (unit roundoff for gradients, a fraction of the
+Tolerances (`tolerances`, trainmech.tolerances) start from the dtype (unit roundoff for gradients, a fraction of the
 training movement for quality) and are checked against the reference's own noise: it is run again
 (run-to-run noise: a tolerance must stand well above it) and with another seed (a changed RNG: a
 tolerance must stay well below it, else an RNG bug would pass). `decide` keeps "wrong" (a failed
@@ -45,13 +46,12 @@ settled.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from trainmech.candidates import Candidate, GateWorkload
+from trainmech import tolerances as _tolerances
 from trainmech.checks import num
 from trainmech.decision import (
     OUTCOMES,
@@ -62,32 +62,24 @@ from trainmech.decision import (
     decide_measured,
     timing_spread,
 )
-from trainmech.tracing import Trace, run_trace
+from trainmech.tolerances import *  # noqa: F403  re-exported: gates.GRAD_RTOL, gates.make_reference, …
+from trainmech.tolerances import (
+    Tolerances,
+    compared_windows,
+    gradient_errors,
+    judged_grads,
+    movement,
+    tolerances,
+)
+from trainmech.tracing import Trace, all_finite
 
 __all__ = [
     "GATES",
-    "GRAD_RTOL",
-    "GRAD_RTOL_FROM",
     "FLOAT32_LINEARS",
-    "GRAD_FLOOR",
-    "QUALITY_FRACTION",
-    "NOISE_MULTIPLE",
-    "SEED_SEPARATION",
     "MAX_SCALER_SKIP_FRACTION",
     "EVIDENCE_LEVEL",
     "OUTCOMES",
     "RECORD_DECISION",
-    "gradient_errors",
-    "judged_grads",
-    "compared_windows",
-    "worst_error",
-    "movement",
-    "NoiseFloor",
-    "noise_floor",
-    "Tolerances",
-    "tolerances",
-    "Reference",
-    "make_reference",
     "Verdict",
     "inputs_gate",
     "gradients_gate",
@@ -105,161 +97,20 @@ __all__ = [
     "timing_spread",
     "decide_measured",
     "decide",
+    *_tolerances.__all__,
 ]
 
 GATES = ("inputs", "gradients", "updates", "quality", "performance")
 
-# Gate 2: largest |g_candidate - g_reference| of a parameter, relative to that parameter's largest
-# reference gradient, by the dtype that ran. float32: bitwise on a CPU; 1e-4 leaves room for GPU
-# kernels that reorder sums (atomics). FP16: ~40 unit roundoffs (2^-11); BF16: ~13 (2^-8).
-GRAD_RTOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
-GRAD_RTOL_FROM = {  # what each tolerance is sized for (a verdict's `rtol_from`)
-    "float32": "float32 with reordered sums (GPU atomics)",
-    "float16": "float16 rounding",
-    "bfloat16": "bfloat16 rounding",
-}
 # Gate 2's dtype check: every Linear inside the decoder layers must run the claimed dtype; only these Linear
 # modules (by name in the model) may run float32 beside it (a mixed-precision recipe may keep the head in full
 # precision). An autocast around the head alone leaves the layers in float32: not the claimed FP16.
 FLOAT32_LINEARS = ("lm_head",)
-GRAD_FLOOR = 1e-3  # a parameter's scale is at least GRAD_FLOOR x the largest gradient of all: no noise ratios
-# Gate 4: |held-out token loss of candidate - reference| after the same effective updates, as a fraction of
-# how far training moved the reference's held-out loss: a candidate may not change the training outcome by
-# more than this share of what training did. 16-bit rounding accumulates over updates, hence wider bounds.
-QUALITY_FRACTION = {"float32": 0.005, "float16": 0.02, "bfloat16": 0.05}
-NOISE_MULTIPLE = 10  # a tolerance stands at least this far above the reference's run-to-run noise
-SEED_SEPARATION = 3  # … and this far below what another RNG seed changes, or an RNG bug would pass
 # Gate 3: GradScaler skips of attempts the reference stepped, as a share of the reference's effective updates,
 # that are judged like for like (the reference skipping them too). Each overflow halves the scale, so a correct
 # candidate after the calibrated start overflows rarely; losing more than this means the scale is not settled.
 MAX_SCALER_SKIP_FRACTION = 0.25
 EVIDENCE_LEVEL = {"cpu": "cpu-mechanism", "cuda": "gpu-measured"}
-
-
-# ----------------------------------------------------------------------------- the reference and its noise
-
-
-def gradient_errors(ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per parameter: max |g_cand - g_ref| / max(max |g_ref|, GRAD_FLOOR x the largest |g_ref|), in float64."""
-    top = max(float(g.abs().max()) for g in ref.values())
-    out = {}
-    for name, g in ref.items():
-        if name not in cand:
-            out[name] = float("inf")
-            continue
-        scale = max(float(g.abs().max()), GRAD_FLOOR * top, torch.finfo(torch.float64).tiny)
-        out[name] = float((cand[name].double() - g.double()).abs().max()) / scale
-    return out
-
-
-def _finite(grads: dict[str, torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(g).all()) for g in grads.values())
-
-
-def judged_grads(cand: Trace, k: int) -> dict[str, torch.Tensor]:
-    """The gradients gate 2 compares at attempt k: the judged pass's, or — where GradScaler skipped k on a finite
-    loss and those were not finite — the same pass recomputed at the lower scale that made them finite
-    (`Trace.rescaled`: an overflow fits there, a bug's NaN or inf does not)."""
-    return cand.rescaled[k][1] if k in cand.rescaled else cand.grads[k]
-
-
-def compared_windows(ref: Trace, cand: Trace) -> list[int]:
-    """The attempts whose gradients gate 2 compares: every one the reference finished with finite gradients
-    (an injected non-finite sample makes both NaN), as far as the candidate got — those the candidate's
-    GradScaler skipped included, by `judged_grads`: a skip is no reason to look away."""
-    return [k for k in range(min(len(ref.grads), len(cand.grads))) if _finite(ref.grads[k])]
-
-
-def worst_error(ref: Trace, cand: Trace, windows: list[int] | None = None) -> float:
-    """The largest per-parameter gradient error over the compared windows (inf where a window is missing)."""
-    windows = compared_windows(ref, cand) if windows is None else windows
-    return max(
-        (max(gradient_errors(ref.grads[k], judged_grads(cand, k)).values()) for k in windows),
-        default=float("inf"),
-    )
-
-
-def movement(trace: Trace) -> float:
-    """How far training moved the held-out loss (nats): the scale gate 4's bound is a fraction of."""
-    return abs(trace.held_out_before - trace.held_out_loss)
-
-
-@dataclass(frozen=True)
-class NoiseFloor:
-    """The reference against itself: run again (noise) and from another seed (what a changed RNG does)."""
-
-    grad_self: float  # worst per-parameter gradient error over every window, rerun
-    grad_seed: float  # worst per-parameter gradient error of the first window, another seed
-    quality_self: float  # |Δ held-out loss|, rerun
-    quality_seed: float  # |Δ held-out loss|, another seed
-
-
-def noise_floor(reference: Candidate, gw: GateWorkload, ref_trace: Trace) -> NoiseFloor:
-    """Run the reference twice more, each window from the reference's own weights: with the workload's seed (its
-    run-to-run noise; 0 on a CPU) and with the next seed (dropout draws other masks: the effect an RNG bug has)."""
-    again = run_trace(reference, gw, teacher=ref_trace)
-    grad_self, again.grads = worst_error(ref_trace, again), []  # one run's gradients in host memory at a time
-    other = run_trace(reference, gw, seed=gw.seed + 1, teacher=ref_trace)
-    return NoiseFloor(
-        grad_self,
-        worst_error(ref_trace, other, [0]),
-        abs(again.held_out_loss - ref_trace.held_out_loss),
-        abs(other.held_out_loss - ref_trace.held_out_loss),
-    )
-
-
-@dataclass(frozen=True)
-class Tolerances:
-    grad_rtol: float
-    quality_bound: float  # nats
-    grad_from: str  # GRAD_RTOL_FROM[dtype], or "10 x run-to-run noise"
-    quality_from: str
-
-
-def tolerances(dtype: str, ref: Trace, floor: NoiseFloor | None = None) -> Tolerances:
-    """Gate 2's and gate 4's tolerances for a dtype: from the dtype, raised to NOISE_MULTIPLE x the reference's
-    run-to-run noise where that is larger (a GPU's atomics); quality as a fraction of the training movement."""
-    grad, grad_from = GRAD_RTOL[dtype], GRAD_RTOL_FROM[dtype]
-    quality, quality_from = (
-        QUALITY_FRACTION[dtype] * movement(ref),
-        f"{QUALITY_FRACTION[dtype]:g} x the training movement",
-    )
-    if floor is not None and NOISE_MULTIPLE * floor.grad_self > grad:
-        grad, grad_from = NOISE_MULTIPLE * floor.grad_self, f"{NOISE_MULTIPLE} x run-to-run noise"
-    if floor is not None and NOISE_MULTIPLE * floor.quality_self > quality:
-        quality, quality_from = NOISE_MULTIPLE * floor.quality_self, f"{NOISE_MULTIPLE} x run-to-run noise"
-    return Tolerances(grad, quality, grad_from, quality_from)
-
-
-@dataclass
-class Reference:
-    """What every candidate is held to: the reference candidate, its trace, and its noise floor."""
-
-    candidate: Candidate
-    trace: Trace
-    floor: NoiseFloor | None = None
-    peaks: dict = field(
-        default_factory=dict
-    )  # its peaks on a workload, measured once for every candidate (performance.remeasure)
-
-    def tolerances(self, dtype: str) -> Tolerances:
-        return tolerances(dtype, self.trace, self.floor)
-
-    def skipping(self, gw: GateWorkload, attempts: list[int]) -> tuple[GateWorkload, Reference]:
-        """The workload with `attempts` skipped too (a non-finite sample there, as at `inject_at`), and the
-        reference run on it: what a candidate whose GradScaler skipped those attempts is held to."""
-        skipped = dataclasses.replace(gw, inject_at=tuple(sorted({*gw.inject_at, *attempts})))
-        trace = run_trace(self.candidate, skipped, keep_weights=True)
-        return skipped, Reference(self.candidate, trace, self.floor, self.peaks)
-
-
-def make_reference(
-    gw: GateWorkload, candidate: Candidate | None = None, *, calibrate: bool = True
-) -> Reference:
-    """The FP32 baseline (no strategy) through the gate workload, and its noise floor (two more runs)."""
-    candidate = candidate or Candidate("fp32-baseline", "TRAIN-AMP-BACKWARD")
-    trace = run_trace(candidate, gw, keep_weights=True)
-    return Reference(candidate, trace, noise_floor(candidate, gw, trace) if calibrate else None)
 
 
 # ----------------------------------------------------------------------------- the gates
@@ -360,7 +211,7 @@ def _not_an_overflow(cand: Trace, k: int) -> str:
         )
     if k in cand.rescaled:
         scale, grads = cand.rescaled[k]
-        state = "finite but off the reference's" if _finite(grads) else "still not finite"
+        state = "finite but off the reference's" if all_finite(grads.values()) else "still not finite"
         return f" (GradScaler skipped it; recomputed at loss scale {scale:g} its gradients are {state}: not an overflow)"
     return " (GradScaler skipped it)"
 
@@ -473,7 +324,7 @@ def overflow_skips(ref: Trace, cand: Trace, tol: Tolerances) -> list[int]:
         for k in scaler_skips(ref, cand)
         if k < min(len(cand.grads), len(ref.grads))
         and math.isfinite(cand.losses[k])
-        and _finite(judged_grads(cand, k))
+        and all_finite(judged_grads(cand, k).values())
         and max(gradient_errors(ref.grads[k], judged_grads(cand, k)).values()) <= tol.grad_rtol
     ]
 
