@@ -8,8 +8,8 @@ a measurement, never a pass or a fail), then `decision.decide`. Its `Report` is 
 record of the planted bugs, `strategy_table` the quality-capacity-time table of the candidates that
 reached the performance stage.
 
-    ref = gates.make_reference(gw)
-    report = gate_report.judge(candidate, gw, ref)
+    reference = gates.make_reference(workload)
+    report = gate_report.judge(candidate, workload, reference)
     print("\n".join(report.lines()))                 # one line per stage: ✓ ✗ — · ○
     session.record(..., **report.record_fields(next_step))
 """
@@ -238,8 +238,8 @@ def performance_verdict(perf: Performance, reference: Performance) -> Verdict:
 
 
 def judge(
-    cand: Candidate,
-    gw: GateWorkload,
+    candidate: Candidate,
+    workload: GateWorkload,
     ref: Reference,
     *,
     warmup: int = 1,
@@ -255,23 +255,23 @@ def judge(
     most MAX_SCALER_SKIP_FRACTION of the reference's effective updates, both are run again with those attempts
     skipped, and the gates compare those runs: like for like, the skips reported by gate 3. A skip that is no
     overflow (a bug's NaN) is not forgiven: the first run is judged, and gate 2 fails that window."""
-    trace = trace or run_trace(cand, gw, teacher=ref.trace)
-    tol = ref.tolerances(cand.dtype)
+    trace = trace or run_trace(candidate, workload, teacher=ref.trace)
+    tol = ref.tolerances(candidate.dtype)
     skips, judged_ref = scaler_skips(ref.trace, trace), ref
     forgiven = skips and overflow_skips(ref.trace, trace, tol) == skips
     if forgiven and len(skips) <= MAX_SCALER_SKIP_FRACTION * effective_updates(ref.trace):
         trace.grads = []  # the first run's gradients are not judged
-        skipped, judged_ref = ref.skipping(gw, skips)
-        trace = run_trace(cand, skipped, teacher=judged_ref.trace)
-    expected_lrs = [gw.expected_lr(k) for k in range(len(trace.lrs))]
+        skipped, judged_ref = ref.skipping(workload, skips)
+        trace = run_trace(candidate, skipped, teacher=judged_ref.trace)
+    expected_lrs = [workload.expected_lr(k) for k in range(len(trace.lrs))]
     matched = skips if judged_ref is not ref else []  # unmatched, gate 3 finds (and counts) the skips itself
-    verdicts = correctness_gate(judged_ref.trace, trace, cand.dtype, tol, expected_lrs, matched)
+    verdicts = correctness_gate(judged_ref.trace, trace, candidate.dtype, tol, expected_lrs, matched)
     perf = ref_perf = None
     if measure and not any(v.failed for v in verdicts):
         perf, ref_perf = remeasure(
-            cand,
+            candidate,
             ref.candidate,
-            gw,
+            workload,
             warmup=warmup,
             repeats=repeats,
             init_scale=trace.loss_scale,
@@ -282,13 +282,13 @@ def judge(
     trace.grads = []  # kept only as long as gate 2 needs them (a GPU model's gradients are gigabytes per window)
     trace.rescaled = {k: (scale, {}) for k, (scale, _) in trace.rescaled.items()}  # … the scales stay
     return Report(
-        cand,
+        candidate,
         verdicts,
         perf,
         ref_perf,
         outcome,
         reason,
-        EVIDENCE_LEVEL.get(gw.device.type, "not-measured"),
+        EVIDENCE_LEVEL.get(workload.device.type, "not-measured"),
         trace,
         tol,
     )

@@ -20,9 +20,9 @@ tolerances are trainmech.tolerances; the decision rule (`DecisionRule`, `RULE`, 
 trainmech.decision; both re-exported here. Running a candidate through all five stages and the report it
 gives are trainmech.gate_report:
 
-    ref = gates.make_reference(gw)                   # the FP32 baseline's trace, and its noise floor
-    report = gate_report.judge(candidate, gw, ref)   # gates 1-4, then the measurement, then `decide`
-    report.outcome, report.reason                    # accept / tune / no-gain / costs-memory / reject, or None
+    reference = gates.make_reference(workload)                 # the FP32 baseline's trace, and its noise floor
+    report = gate_report.judge(candidate, workload, reference)  # gates 1-4, then the measurement, then `decide`
+    report.outcome, report.reason                              # accept / tune / no-gain / costs-memory / reject, or None
 
 Tolerances (`tolerances`, trainmech.tolerances) start from the dtype (unit roundoff for gradients, a fraction of the
 training movement for quality) and are checked against the reference's own noise: it is run again
@@ -140,22 +140,22 @@ def _stopped(trace: Trace) -> tuple[int, str] | None:
 
 
 def inputs_gate(
-    ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
+    ref: Trace, candidate: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
     """Gate 1: the same windows handed out, the same multiset of sequences consumed per window, the same RNG states."""
-    n = len(cand.consumed)
+    n = len(candidate.consumed)
     evidence = {
         "attempts": n,
-        "sequences_consumed": sum(map(len, cand.consumed)),
+        "sequences_consumed": sum(map(len, candidate.consumed)),
         "sequences_expected": sum(map(len, ref.consumed[:n])),
-        "tokens_consumed": cand.tokens,
+        "tokens_consumed": candidate.tokens,
     }
-    if cand.handed != ref.handed[:n]:
+    if candidate.handed != ref.handed[:n]:
         return Verdict("inputs", False, evidence, "the windows handed out differ from the reference's")
-    stopped = _stopped(cand)
+    stopped = _stopped(candidate)
 
     def same(a: int) -> bool:  # a run the candidate's exception ended consumed only part of its last window
-        got, want = sorted(cand.consumed[a]), sorted(ref.consumed[a])
+        got, want = sorted(candidate.consumed[a]), sorted(ref.consumed[a])
         if stopped and a == n - 1:
             return all(got.count(d) <= want.count(d) for d in set(got))
         return got == want
@@ -163,14 +163,14 @@ def inputs_gate(
     differ = next((a for a in range(n) if not same(a)), None)
     if differ is not None:
         evidence["first_difference"] = differ
-        got, want = len(cand.consumed[differ]), len(ref.consumed[differ])
+        got, want = len(candidate.consumed[differ]), len(ref.consumed[differ])
         return Verdict(
             "inputs",
             False,
             evidence,
             f"attempt {differ}: the model received {got} of the reference's {want} sequences, or other ones",
         )
-    if cand.rng != ref.rng[:n]:
+    if candidate.rng != ref.rng[:n]:
         return Verdict(
             "inputs", False, evidence, "the RNG state at a window's start differs from the reference's"
         )
@@ -190,65 +190,65 @@ def inputs_gate(
     )
 
 
-def dtype_mismatches(cand: Trace, claimed_dtype: str) -> dict[str, list[str]]:
+def dtype_mismatches(candidate: Trace, claimed_dtype: str) -> dict[str, list[str]]:
     """The Linear modules whose outputs in the first window were not what the claim allows: every one must run
     the claimed dtype, alone; those named in FLOAT32_LINEARS may run float32 instead (or beside it)."""
     allowed = lambda name: {claimed_dtype} | ({"float32"} if name in FLOAT32_LINEARS else set())  # noqa: E731
     return {
         name: ran
-        for name, ran in cand.linear_dtypes.items()
+        for name, ran in candidate.linear_dtypes.items()
         if not set(ran) <= allowed(name) or (name not in FLOAT32_LINEARS and claimed_dtype not in ran)
     }
 
 
-def _not_an_overflow(cand: Trace, k: int) -> str:
+def _not_an_overflow(candidate: Trace, k: int) -> str:
     """Why a window GradScaler skipped is no overflow (for gate 2's message), or "" where it did not skip."""
-    if not (k < len(cand.scaler_backoff) and cand.scaler_backoff[k]):
+    if not (k < len(candidate.scaler_backoff) and candidate.scaler_backoff[k]):
         return ""
-    if not math.isfinite(cand.losses[k]):
+    if not math.isfinite(candidate.losses[k]):
         return (
             " (GradScaler skipped it, but its loss is not finite: no loss scale fixes a forward's NaN or inf)"
         )
-    if k in cand.rescaled:
-        scale, grads = cand.rescaled[k]
+    if k in candidate.rescaled:
+        scale, grads = candidate.rescaled[k]
         state = "finite but off the reference's" if all_finite(grads.values()) else "still not finite"
         return f" (GradScaler skipped it; recomputed at loss scale {scale:g} its gradients are {state}: not an overflow)"
     return " (GradScaler skipped it)"
 
 
 def gradients_gate(
-    ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
+    ref: Trace, candidate: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
     """Gate 2: the claimed dtype ran in every decoder-layer Linear (only FLOAT32_LINEARS, e.g. the head, may run
     float32 beside or instead of it: an autocast around the head alone is no FP16 candidate); in every compared
     window — a window GradScaler skipped by its gradients at a scale where they fit (`judged_grads`) — every
     parameter's gradient within the claimed dtype's tolerance."""
     tol = tol or tolerances(claimed_dtype, ref)
-    stopped = _stopped(cand)
-    if not cand.grads:
-        return Verdict("gradients", False, {"error": cand.error}, f"no gradients: {cand.error}")
-    ran = cand.dtypes
+    stopped = _stopped(candidate)
+    if not candidate.grads:
+        return Verdict("gradients", False, {"error": candidate.error}, f"no gradients: {candidate.error}")
+    ran = candidate.dtypes
     evidence = {
         "claimed_dtype": claimed_dtype,
         "ran": "/".join(ran),
         "rtol": tol.grad_rtol,
         "rtol_from": tol.grad_from,
     }
-    off = dtype_mismatches(cand, claimed_dtype)
+    off = dtype_mismatches(candidate, claimed_dtype)
     evidence["dtype_mismatches"] = off
-    if off or not cand.linear_dtypes:
+    if off or not candidate.linear_dtypes:
         first = next(iter(off), None)
         where = (
-            f"{len(off)} of {len(cand.linear_dtypes)} Linear modules ran other dtypes (first: {first}, "
+            f"{len(off)} of {len(candidate.linear_dtypes)} Linear modules ran other dtypes (first: {first}, "
             f"{'/'.join(off[first])})"
             if off
             else "no Linear module ran"
         )
         return Verdict("gradients", False, evidence, f"claims {claimed_dtype}, but {where}")
-    windows = compared_windows(ref, cand)
+    windows = compared_windows(ref, candidate)
     if not windows:
         return Verdict("gradients", False, evidence, "no window to compare: the reference has no finite one")
-    per_window = {k: gradient_errors(ref.grads[k], judged_grads(cand, k)) for k in windows}
+    per_window = {k: gradient_errors(ref.grads[k], judged_grads(candidate, k)) for k in windows}
     bound = lambda k: tol.grad_rtol  # noqa: E731
     first = per_window.get(0, {})
     everywhere = {
@@ -266,19 +266,21 @@ def gradients_gate(
         "compared": windows,  # the attempts whose gradients were compared, in order
         "window_worst": [max(per_window[k].values()) for k in windows],  # … the worst error of each
         "first_bad_window": bad_windows[0] if bad_windows else None,
-        "rescaled": {k: cand.rescaled[k][0] for k in windows if k in cand.rescaled},  # attempt -> loss scale
+        "rescaled": {
+            k: candidate.rescaled[k][0] for k in windows if k in candidate.rescaled
+        },  # attempt -> loss scale
         "parameters": len(everywhere),
-        "loss_abs_error": max(abs(cand.losses[k] - ref.losses[k]) for k in windows),
+        "loss_abs_error": max(abs(candidate.losses[k] - ref.losses[k]) for k in windows),
         "grad_max_abs_error": max(
-            float((judged_grads(cand, k)[n] - g).abs().max())
+            float((judged_grads(candidate, k)[n] - g).abs().max())
             for k in windows
             for n, g in ref.grads[k].items()
-            if n in judged_grads(cand, k)
+            if n in judged_grads(candidate, k)
         ),
     }
     if stopped and stopped[1] == "backward":
         return Verdict(
-            "gradients", False, evidence, f"no gradients from attempt {stopped[0]} on: {cand.error}"
+            "gradients", False, evidence, f"no gradients from attempt {stopped[0]} on: {candidate.error}"
         )
     if bad_windows:
         k = bad_windows[0]
@@ -289,7 +291,7 @@ def gradients_gate(
             False,
             evidence,
             f"window {k}: {over} of {len(everywhere)} parameters over {bound(k):.0e}; "
-            f"worst {name} at {per_window[k][name]:.1e}{_not_an_overflow(cand, k)}",
+            f"worst {name} at {per_window[k][name]:.1e}{_not_an_overflow(candidate, k)}",
         )
     return Verdict(
         "gradients",
@@ -305,33 +307,33 @@ def effective_updates(trace: Trace) -> int:
     return sum(s and f for s, f in zip(trace.stepped, trace.finite))
 
 
-def scaler_skips(ref: Trace, cand: Trace) -> list[int]:
+def scaler_skips(ref: Trace, candidate: Trace) -> list[int]:
     """Attempts the reference stepped where the candidate's GradScaler lowered its scale and skipped the step."""
     return [
         a
-        for a, (stepped, backoff) in enumerate(zip(cand.stepped, cand.scaler_backoff))
+        for a, (stepped, backoff) in enumerate(zip(candidate.stepped, candidate.scaler_backoff))
         if backoff and not stepped and a < len(ref.stepped) and ref.stepped[a]
     ]
 
 
-def overflow_skips(ref: Trace, cand: Trace, tol: Tolerances) -> list[int]:
+def overflow_skips(ref: Trace, candidate: Trace, tol: Tolerances) -> list[int]:
     """The scaler skips that are overflows of the scaled backward, GradScaler doing its job: the window's loss
     finite, and its gradients (`judged_grads`: at a lower scale where they fit) finite and within gate 2's
     tolerance of the reference's. A NaN or inf from a bug — a zero-token divide, a forward overflowing FP16 —
     stays at every scale: such a skip is not forgiven, gate 2 fails it."""
     return [
         k
-        for k in scaler_skips(ref, cand)
-        if k < min(len(cand.grads), len(ref.grads))
-        and math.isfinite(cand.losses[k])
-        and all_finite(judged_grads(cand, k).values())
-        and max(gradient_errors(ref.grads[k], judged_grads(cand, k)).values()) <= tol.grad_rtol
+        for k in scaler_skips(ref, candidate)
+        if k < min(len(candidate.grads), len(ref.grads))
+        and math.isfinite(candidate.losses[k])
+        and all_finite(judged_grads(candidate, k).values())
+        and max(gradient_errors(ref.grads[k], judged_grads(candidate, k)).values()) <= tol.grad_rtol
     ]
 
 
 def updates_gate(
     ref: Trace,
-    cand: Trace,
+    candidate: Trace,
     claimed_dtype: str = "float32",
     tol: Tolerances | None = None,
     expected_lrs: list[float] | None = None,
@@ -343,30 +345,30 @@ def updates_gate(
     skipped_by_scaler: attempts the candidate's GradScaler skipped where the reference (before
     `gate_report.judge` held the candidate to a reference skipping them too) stepped: reported apart; more
     than MAX_SCALER_SKIP_FRACTION of the reference's effective updates fail. Without it, any found here count."""
-    effective, want = effective_updates(cand), effective_updates(ref)
-    overflowed = list(skipped_by_scaler) or scaler_skips(ref, cand)
+    effective, want = effective_updates(candidate), effective_updates(ref)
+    overflowed = list(skipped_by_scaler) or scaler_skips(ref, candidate)
     lrs = expected_lrs if expected_lrs is not None else ref.lrs
     evidence = {
-        "attempts": len(cand.stepped),
+        "attempts": len(candidate.stepped),
         "effective_updates": effective,
         "expected_effective_updates": want,
-        "skipped_updates": len(cand.stepped) - effective,
-        "non_finite_written": not all(cand.finite),
-        "optimizer_steps": cand.optimizer_steps,
-        "scheduler_steps": cand.scheduler_steps,
-        "loss_scale_halvings": cand.scale_halvings,
+        "skipped_updates": len(candidate.stepped) - effective,
+        "non_finite_written": not all(candidate.finite),
+        "optimizer_steps": candidate.optimizer_steps,
+        "scheduler_steps": candidate.scheduler_steps,
+        "loss_scale_halvings": candidate.scale_halvings,
         "scaler_skips": overflowed,
     }
     too_many = len(overflowed) > MAX_SCALER_SKIP_FRACTION * (want + len(skipped_by_scaler))
-    mismatch = next((k for k, (a, b) in enumerate(zip(cand.lrs, lrs)) if a != b), None)
+    mismatch = next((k for k, (a, b) in enumerate(zip(candidate.lrs, lrs)) if a != b), None)
     evidence["first_lr_mismatch"] = mismatch
     off_clock = (
         ""
         if mismatch is None
-        else f"effective update {mismatch} ran at lr {cand.lrs[mismatch]:.3e}, the clock says {lrs[mismatch]:.3e}"
+        else f"effective update {mismatch} ran at lr {candidate.lrs[mismatch]:.3e}, the clock says {lrs[mismatch]:.3e}"
     )
     checks = [  # the first that holds is the verdict's message
-        (cand.error is not None, f"the run stopped: {cand.error}"),
+        (candidate.error is not None, f"the run stopped: {candidate.error}"),
         (evidence["non_finite_written"], "a non-finite value was written into the parameters"),
         (
             too_many,
@@ -375,12 +377,12 @@ def updates_gate(
         ),
         (effective != want, f"{effective} effective updates, the reference made {want}"),
         (
-            cand.optimizer_steps != effective,
-            f"the optimizer counted {cand.optimizer_steps} steps for {effective} effective updates",
+            candidate.optimizer_steps != effective,
+            f"the optimizer counted {candidate.optimizer_steps} steps for {effective} effective updates",
         ),
         (
-            cand.scheduler_steps != effective,
-            f"the scheduler moved {cand.scheduler_steps} times for {effective} effective updates",
+            candidate.scheduler_steps != effective,
+            f"the scheduler moved {candidate.scheduler_steps} times for {effective} effective updates",
         ),
         (mismatch is not None, off_clock),
     ]
@@ -409,14 +411,14 @@ def against_bound(delta: float, bound: float) -> str:
 
 
 def quality_gate(
-    ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
+    ref: Trace, candidate: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
     """Gate 4: held-out token loss after the same effective updates within the bound (a fraction of the
     reference's training movement)."""
     tol = tol or tolerances(claimed_dtype, ref)
-    delta = abs(cand.held_out_loss - ref.held_out_loss)
+    delta = abs(candidate.held_out_loss - ref.held_out_loss)
     evidence = {
-        "held_out_loss": cand.held_out_loss,
+        "held_out_loss": candidate.held_out_loss,
         "reference_held_out_loss": ref.held_out_loss,
         "delta": delta,
         "bound": tol.quality_bound,
@@ -428,7 +430,7 @@ def quality_gate(
         "quality",
         passed,
         evidence,
-        f"held-out loss {num(cand.held_out_loss)} vs {num(ref.held_out_loss)}: "
+        f"held-out loss {num(candidate.held_out_loss)} vs {num(ref.held_out_loss)}: "
         f"|Δ| {against_bound(delta, tol.quality_bound)} the bound "
         f"{num(tol.quality_bound, 2)} nats ({tol.quality_from})",
     )
@@ -436,7 +438,7 @@ def quality_gate(
 
 def correctness_gate(
     ref: Trace,
-    cand: Trace,
+    candidate: Trace,
     claimed_dtype: str,
     tol: Tolerances,
     expected_lrs: list[float],
@@ -451,23 +453,23 @@ def correctness_gate(
             if gate is updates_gate
             else {}
         )
-        verdicts.append(gate(ref, cand, claimed_dtype, tol, **extra))
+        verdicts.append(gate(ref, candidate, claimed_dtype, tol, **extra))
         if not verdicts[-1].passed:
             break
     return verdicts
 
 
-def bitwise_equal(ref: Trace, cand: Trace) -> bool:
+def bitwise_equal(ref: Trace, candidate: Trace) -> bool:
     """Every window's loss and every gradient tensor bitwise equal to the reference's (over the candidate's
     windows, which may be fewer): what a strategy that changes no arithmetic (recompute the same ops, fetch
     back the same bits) must give on a CPU."""
-    n = len(cand.grads)
+    n = len(candidate.grads)
     return (
-        cand.error is None
+        candidate.error is None
         and 0 < n <= len(ref.grads)
-        and cand.losses == ref.losses[:n]
+        and candidate.losses == ref.losses[:n]
         and all(
             a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-            for a, b in zip(cand.grads, ref.grads)
+            for a, b in zip(candidate.grads, ref.grads)
         )
     )

@@ -1,8 +1,8 @@
 """Task5's experiments as result objects, each writing its own record fields.
 
     run = StrategyRun("hf-checkpoint", "TRAIN-CHECKPOINT", updates, trace, verdict, recompute=count, …)
-    run.performance, run.reference_performance = performance.remeasure(plain, baseline, gw, …)
-    session.record("TRAIN-CHECKPOINT", f"{wid}.{run.name}", candidate=run.name, **common, **run.record_fields())
+    run.performance, run.reference_performance = performance.remeasure(plain, baseline, workload, …)
+    session.record("TRAIN-CHECKPOINT", f"{workload_id}.{run.name}", candidate=run.name, **common, **run.record_fields())
     session.record("TRAIN-STATE-LEDGER", …, **ledger_fields(book, step, baseline_step, …))
 
 Peaks and times follow the fifth stage of the gates (trainmech.performance.Performance): on CUDA the

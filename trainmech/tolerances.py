@@ -62,38 +62,38 @@ SEED_SEPARATION = 3  # … and this far below what another RNG seed changes, or 
 # ----------------------------------------------------------------------------- the reference and its noise
 
 
-def gradient_errors(ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor]) -> dict[str, float]:
+def gradient_errors(ref: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per parameter: max |g_cand - g_ref| / max(max |g_ref|, GRAD_FLOOR x the largest |g_ref|), in float64."""
     top = max(float(g.abs().max()) for g in ref.values())
     out = {}
     for name, g in ref.items():
-        if name not in cand:
+        if name not in candidate:
             out[name] = float("inf")
             continue
         scale = max(float(g.abs().max()), GRAD_FLOOR * top, torch.finfo(torch.float64).tiny)
-        out[name] = float((cand[name].double() - g.double()).abs().max()) / scale
+        out[name] = float((candidate[name].double() - g.double()).abs().max()) / scale
     return out
 
 
-def judged_grads(cand: Trace, k: int) -> dict[str, torch.Tensor]:
+def judged_grads(candidate: Trace, k: int) -> dict[str, torch.Tensor]:
     """The gradients gate 2 compares at attempt k: the judged pass's, or — where GradScaler skipped k on a finite
     loss and those were not finite — the same pass recomputed at the lower scale that made them finite
     (`Trace.rescaled`: an overflow fits there, a bug's NaN or inf does not)."""
-    return cand.rescaled[k][1] if k in cand.rescaled else cand.grads[k]
+    return candidate.rescaled[k][1] if k in candidate.rescaled else candidate.grads[k]
 
 
-def compared_windows(ref: Trace, cand: Trace) -> list[int]:
+def compared_windows(ref: Trace, candidate: Trace) -> list[int]:
     """The attempts whose gradients gate 2 compares: every one the reference finished with finite gradients
     (an injected non-finite sample makes both NaN), as far as the candidate got — those the candidate's
     GradScaler skipped included, by `judged_grads`: a skip is no reason to look away."""
-    return [k for k in range(min(len(ref.grads), len(cand.grads))) if all_finite(ref.grads[k].values())]
+    return [k for k in range(min(len(ref.grads), len(candidate.grads))) if all_finite(ref.grads[k].values())]
 
 
-def worst_error(ref: Trace, cand: Trace, windows: list[int] | None = None) -> float:
+def worst_error(ref: Trace, candidate: Trace, windows: list[int] | None = None) -> float:
     """The largest per-parameter gradient error over the compared windows (inf where a window is missing)."""
-    windows = compared_windows(ref, cand) if windows is None else windows
+    windows = compared_windows(ref, candidate) if windows is None else windows
     return max(
-        (max(gradient_errors(ref.grads[k], judged_grads(cand, k)).values()) for k in windows),
+        (max(gradient_errors(ref.grads[k], judged_grads(candidate, k)).values()) for k in windows),
         default=float("inf"),
     )
 
@@ -113,12 +113,12 @@ class NoiseFloor:
     quality_seed: float  # |Δ held-out loss|, another seed
 
 
-def noise_floor(reference: Candidate, gw: GateWorkload, ref_trace: Trace) -> NoiseFloor:
+def noise_floor(reference: Candidate, workload: GateWorkload, ref_trace: Trace) -> NoiseFloor:
     """Run the reference twice more, each window from the reference's own weights: with the workload's seed (its
     run-to-run noise; 0 on a CPU) and with the next seed (dropout draws other masks: the effect an RNG bug has)."""
-    again = run_trace(reference, gw, teacher=ref_trace)
+    again = run_trace(reference, workload, teacher=ref_trace)
     grad_self, again.grads = worst_error(ref_trace, again), []  # one run's gradients in host memory at a time
-    other = run_trace(reference, gw, seed=gw.seed + 1, teacher=ref_trace)
+    other = run_trace(reference, workload, seed=workload.seed + 1, teacher=ref_trace)
     return NoiseFloor(
         grad_self,
         worst_error(ref_trace, other, [0]),
@@ -164,18 +164,18 @@ class Reference:
     def tolerances(self, dtype: str) -> Tolerances:
         return tolerances(dtype, self.trace, self.floor)
 
-    def skipping(self, gw: GateWorkload, attempts: list[int]) -> tuple[GateWorkload, Reference]:
+    def skipping(self, workload: GateWorkload, attempts: list[int]) -> tuple[GateWorkload, Reference]:
         """The workload with `attempts` skipped too (a non-finite sample there, as at `inject_at`), and the
         reference run on it: what a candidate whose GradScaler skipped those attempts is held to."""
-        skipped = dataclasses.replace(gw, inject_at=tuple(sorted({*gw.inject_at, *attempts})))
+        skipped = dataclasses.replace(workload, inject_at=tuple(sorted({*workload.inject_at, *attempts})))
         trace = run_trace(self.candidate, skipped, keep_weights=True)
         return skipped, Reference(self.candidate, trace, self.floor, self.peaks)
 
 
 def make_reference(
-    gw: GateWorkload, candidate: Candidate | None = None, *, calibrate: bool = True
+    workload: GateWorkload, candidate: Candidate | None = None, *, calibrate: bool = True
 ) -> Reference:
     """The FP32 baseline (no strategy) through the gate workload, and its noise floor (two more runs)."""
     candidate = candidate or Candidate("fp32-baseline", "TRAIN-AMP-BACKWARD")
-    trace = run_trace(candidate, gw, keep_weights=True)
-    return Reference(candidate, trace, noise_floor(candidate, gw, trace) if calibrate else None)
+    trace = run_trace(candidate, workload, keep_weights=True)
+    return Reference(candidate, trace, noise_floor(candidate, workload, trace) if calibrate else None)
