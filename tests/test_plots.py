@@ -1,11 +1,11 @@
 """The figures (trainmech.plots): what each draws, and that it comes back closed (shown once, as the
-cell's value). Task1's backward-graph figure also carries the task1 marker. Task5's strategy timelines are tested beside its measurements in test_task5_strategies.py."""
+cell's value). Each test also carries the marker of the Task whose notebook draws the figure."""
 
 import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from trainmech import graph, plots
+from trainmech import gates, graph, plots
 
 pytestmark = pytest.mark.package
 
@@ -28,3 +28,43 @@ def test_grad_fn_graph_returns_a_closed_figure(max_nodes, residual_graph):
 def test_grad_fn_graph_refuses_a_leaf():
     with pytest.raises(ValueError, match="no grad_fn"):
         plots.grad_fn_graph(torch.ones(2, requires_grad=True))
+
+
+@pytest.mark.task5
+def test_strategy_timelines_draw_one_panel_per_strategy_and_the_ledger_line_only_where_predicted():
+    phases = ["forward.embed", "loss", "backward.head", "optimizer", "zero_grad"]
+    runs = {"baseline": ([0, 5, 9, 4, 0], phases, 10), "offload": ([0, 2, 3, 1, 0], phases, 10)}
+    fig = plots.strategy_timelines(runs, {"baseline": 19 * 2**20, "offload": None})
+    assert fig.number not in plt.get_fignums()
+    assert [ax.get_title() for ax in fig.axes] == ["baseline", "offload"]
+    # baseline: curve, peak star, ledger line; offload (no prediction): curve and star only
+    assert [len(ax.get_lines()) for ax in fig.axes] == [3, 2]
+
+
+@pytest.mark.task2
+@pytest.mark.task6
+def test_grad_errors_name_each_tolerance_and_the_reference():
+    fig = plots.grad_errors(
+        ["a", "b"],
+        {"fp16": [1e-3, 2e-3], "bug": [1.0, 2.0]},
+        {"fp16": 2e-2, "bug": 1e-4},
+        against="the reference run",
+    )
+    assert fig.number not in plt.get_fignums()
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"fp16: tolerance 2e-02", "bug: tolerance 1e-04"} <= set(labels)
+    assert "vs the reference run" in fig.axes[0].get_title()
+
+
+@pytest.mark.task6
+def test_gate_matrix_marks_what_was_not_run_and_what_was_not_measured():
+    rows = {
+        "twin": [True] * 4 + ["not measured"],
+        "bug": [True, False, None, None, None],
+        "real": [True] * 4 + ["measured"],
+    }
+    fig = plots.gate_matrix(rows, list(gates.GATES))
+    assert fig.number not in plt.get_fignums()
+    marks = [t.get_text() for t in fig.axes[0].texts]
+    assert marks.count("○") == 1 and marks.count("·") == 3 and marks.count("—") == 1
+    assert marks.count("✓") == 9 and marks.count("✗") == 1

@@ -36,17 +36,13 @@ pytestmark = pytest.mark.task5
 B, T, V, LAYERS = 2, 16, 97, 3
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_qwen2):
-    """Factory: the shared tiny Qwen2 (tests/conftest.py) with 3 layers, SDPA attention and no KV cache."""
-    return lambda **overrides: tiny_qwen2(
-        num_hidden_layers=LAYERS, attn_implementation="sdpa", use_cache=False, **overrides
-    )
+# The shared tiny Qwen2 (tests/conftest.py's `tiny_qwen2`) with 3 layers, SDPA attention and no KV cache.
+TASK5_MODEL = dict(num_hidden_layers=LAYERS, attn_implementation="sdpa", use_cache=False)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model()
+def model(tiny_qwen2):
+    return tiny_qwen2(**TASK5_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -219,9 +215,9 @@ def test_dispatched_ops_follow_the_attention_kernel(model, batch):
     assert not any("scaled_dot_product" in name for name in dispatched)
 
 
-def test_recomputed_tensors_are_saved_tensors_in_a_measurement(batch, tensors, tiny_model):
+def test_recomputed_tensors_are_saved_tensors_in_a_measurement(batch, tensors, tiny_qwen2):
     """One vocabulary with the ledger: what the backward re-creates is filed as saved, not workspace."""
-    model = tiny_model()  # updated here: not the module's shared model
+    model = tiny_qwen2(**TASK5_MODEL)  # updated here: not the module's shared model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step(model, batch)
     optimizer.step()
@@ -295,8 +291,8 @@ def test_inplace_on_outside_state_is_silent_but_wrong():
     assert not torch.allclose(g_plain, g_ckpt)
 
 
-def test_dropout_rng_preserved_or_not(tiny_model):
-    model = tiny_model(attention_dropout=0.3)
+def test_dropout_rng_preserved_or_not(tiny_qwen2):
+    model = tiny_qwen2(**TASK5_MODEL, attention_dropout=0.3)
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
     batch = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
     ref = step(model, batch, seed=5)
@@ -403,12 +399,12 @@ def test_offload_equal_counts_bytes_and_keeps_params(model, batch, baseline, pre
     assert all(e.group < LAYERS - 1 for e in offload.entries)  # the last layer stays on the device
 
 
-def test_offload_moves_what_the_ledger_lists_and_its_peak_is_the_ledgers(batch, tensors, tiny_model):
+def test_offload_moves_what_the_ledger_lists_and_its_peak_is_the_ledgers(batch, tensors, tiny_qwen2):
     """The ledger's offload view (ledger.Ledger.offloaded) models the groups, the stash and the prefetch window.
 
     min_bytes half a hidden state: the ledger lists RoPE's cos and sin as one state, the hooks see two storages,
     so a threshold between their sizes would split them differently (far below min_bytes on the real shapes)."""
-    model = tiny_model()  # updated here: not the module's shared model
+    model = tiny_qwen2(**TASK5_MODEL)  # updated here: not the module's shared model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step(model, batch)
     optimizer.step()
@@ -695,9 +691,9 @@ def test_a_fetched_copy_never_used_is_waited_for_before_finish_lets_it_go():
 # ----------------------------------------------------------------------------- optimizer-in-backward and the scenarios
 
 
-def test_optimizer_in_backward_equals_adamw_and_frees_every_gradient(batch, tiny_model):
+def test_optimizer_in_backward_equals_adamw_and_frees_every_gradient(batch, tiny_qwen2):
     def two_updates(in_backward):
-        model = tiny_model()
+        model = tiny_qwen2(**TASK5_MODEL)
         optimizer = (
             OptimizerInBackward(model.parameters(), lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
             if in_backward
@@ -779,28 +775,6 @@ def test_gpu_shape_scenarios_tell_the_forward_backward_peak_from_the_update_peak
     assert per_row["checkpoint"] < per_row["baseline"] / 2
 
 
-def test_strategy_timelines_figure():
-    from trainmech import plots
-
-    runs = {
-        "baseline": (
-            [0, 5, 9, 4, 0],
-            ["forward.embed", "loss", "backward.head", "optimizer", "zero_grad"],
-            10,
-        ),
-        "offload": (
-            [0, 2, 3, 1, 0],
-            ["forward.embed", "loss", "backward.head", "optimizer", "zero_grad"],
-            10,
-        ),
-    }
-    fig = plots.strategy_timelines(runs, {"baseline": 19 * 2**20, "offload": None})
-    assert [ax.get_title() for ax in fig.axes] == ["baseline", "offload"]
-    assert (
-        len(fig.axes[0].get_lines()) == 3 and len(fig.axes[1].get_lines()) == 2
-    )  # curve, peak star, ledger line
-
-
 def test_record_lines_name_the_peak_field_once_per_experiment_and_print_what_the_record_holds():
     from types import SimpleNamespace as NS
 
@@ -828,3 +802,38 @@ def test_record_lines_name_the_peak_field_once_per_experiment_and_print_what_the
     assert "    metrics.exposed_transfer_time_s = 0.0123" in lines  # a time: three digits
     assert "    resources.transfer_bytes = 1,234,567" in lines
     assert set(strategy_records.RECORD_FIELDS) == set(strategy_records.PEAK_FIELD)
+
+
+def test_timing_table_prints_one_row_per_measured_strategy_and_a_dash_for_what_was_not_measured():
+    """The GPU timing table (the notebook prints it on CUDA only): a strategy without a measurement is left out,
+    a field the strategy does not have (no transfers for a checkpoint) is a dash, never 0."""
+    from types import SimpleNamespace as NS
+
+    from trainmech import strategy_records
+
+    measured = NS(
+        step_time_median_s=0.2,
+        step_time_p95_s=0.25,
+        peak_reserved_bytes=3_000_000,
+        peak_allocated_bytes=2_500_000,
+        forward_backward_reserved_bytes=2_000_000,
+        exposed_transfer_time_s=None,
+        transfer_time_s=None,
+    )
+    runs = {
+        "checkpoint": NS(performance=measured, reference_performance=NS(step_time_median_s=0.1)),
+        "not-timed": NS(performance=None, reference_performance=None),
+    }
+    header, rule, row = strategy_records.timing_table(runs).splitlines()
+    assert header.split()[:3] == ["strategy", "median", "s"] and set(rule) <= {"-", " "}
+    assert row.split() == [
+        "checkpoint",
+        "0.2000",
+        "0.2500",
+        "2.00",
+        "3,000,000",
+        "2,500,000",
+        "2,000,000",
+        "—",
+        "—",
+    ]

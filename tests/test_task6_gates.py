@@ -24,7 +24,6 @@ from trainmech import (
     checkpointing,
     gate_report,
     gates,
-    plots,
     profiles,
     supervision,
     tracing,
@@ -980,22 +979,3 @@ def test_the_profiles_carry_the_gate_workload_in_both_modes():
         spec = p.workloads[wid]
         assert spec.micro_batches == [2] and spec.batch % 2 == 0 and spec.updates > max(INJECT_AT) + 1
         assert spec.experiments == ["TRAIN-CORRECTNESS-GATE", "TRAIN-MEMORY-STRATEGY"]
-
-
-def test_the_gradient_error_figure_names_each_tolerance_and_the_matrix_marks_what_was_not_measured():
-    fig = plots.grad_errors(
-        ["a", "b"],
-        {"fp16": [1e-3, 2e-3], "bug": [1.0, 2.0]},
-        {"fp16": 2e-2, "bug": 1e-4},
-        against="the reference run",
-    )
-    labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert {"fp16: tolerance 2e-02", "bug: tolerance 1e-04"} <= set(labels)
-    assert "vs the reference run" in fig.axes[0].get_title()
-    rows = {
-        "twin": [True] * 4 + ["not measured"],
-        "bug": [True, False, None, None, None],
-        "real": [True] * 4 + ["measured"],
-    }
-    marks = [t.get_text() for t in plots.gate_matrix(rows, list(gates.GATES)).axes[0].texts]
-    assert marks.count("○") == 1 and marks.count("·") == 3 and marks.count("—") == 1

@@ -8,9 +8,9 @@ skip, move the scheduler, zero the gradients). The defaults are the package's ow
 so a candidate differs from the reference only in what it says it changes: strategy contexts
 around each micro-batch (activation checkpointing, offload), or the dtype.
 
-    cand = candidate("offload", "TRAIN-OFFLOAD", Offloading(min_bytes=…))
-    gw = gate_workload(model, rows=4, seq=32, micro_batches=2, attempts=8, inject_at=(2,), dropout=0.1,
-                       prompt_only_at=(5,))
+    offload = candidate("offload", "TRAIN-OFFLOAD", Offloading(min_bytes=…))
+    workload = gate_workload(model, rows=4, seq=32, micro_batches=2, attempts=8, inject_at=(2,), dropout=0.1,
+                             prompt_only_at=(5,))
 
 The gate workload fixes what every candidate is judged on: the initial weights, the windows
 (rows of unequal length and supervision, so a per-micro-batch mean cannot hide, and micro-batches
@@ -264,13 +264,13 @@ class GateWorkload:
         """The context every run of a candidate on this workload is made in (the residual dropout)."""
         return residual_dropout(self.model, self.dropout) if self.dropout else nullcontext()
 
-    def fresh_state(self, cand: Candidate, *, init_scale: float | None = None) -> TrainState:
+    def fresh_state(self, candidate: Candidate, *, init_scale: float | None = None) -> TrainState:
         """The initial weights, no gradients, a new optimizer (AdamW, or the candidate's `optimizer`), scheduler and
         GradScaler (init_scale: a calibrated one). `TrainState.close()` takes an optimizer's hooks off again."""
         self.model.load_state_dict(self.initial)
         self.model.zero_grad(set_to_none=True)
         self.model.train()
-        make = cand.optimizer or (lambda params, **kw: torch.optim.AdamW(params, **kw))
+        make = candidate.optimizer or (lambda params, **kw: torch.optim.AdamW(params, **kw))
         optimizer = make(self.model.parameters(), lr=self.lr, foreach=self.foreach)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: wsd_multiplier(k, **self.schedule))
         scaler_kwargs = {} if init_scale is None else {"init_scale": init_scale}
@@ -278,8 +278,8 @@ class GateWorkload:
             self.model,
             optimizer,
             scheduler,
-            amp.grad_scaler(self.device, cand.precision, **scaler_kwargs),
-            cand.precision,
+            amp.grad_scaler(self.device, candidate.precision, **scaler_kwargs),
+            candidate.precision,
         )
 
 
@@ -372,26 +372,26 @@ def fixed_batch_workload(
 # ----------------------------------------------------------------------------- FP16: the loss scale's start
 
 
-def calibrated_scale(cand: Candidate, gw: GateWorkload) -> tuple[float | None, int]:
-    """FP16: the largest loss scale, halving from `gw.loss_scale_start` (GradScaler's 2**16) as GradScaler does on an
+def calibrated_scale(candidate: Candidate, workload: GateWorkload) -> tuple[float | None, int]:
+    """FP16: the largest loss scale, halving from `workload.loss_scale_start` (GradScaler's 2**16) as GradScaler does on an
     inf / NaN, at which every clean window's gradients from the initial weights are finite — before the traced
     attempts and without any update; (scale, halvings). A window whose loss itself is not finite is passed over:
     no scale fixes a forward's NaN (the traced attempts meet it). Other dtypes: (None, 0). With the calibration off
-    (`gw.calibrate_loss_scale`), (the start scale, 0): GradScaler then finds it by skipping updates.
+    (`workload.calibrate_loss_scale`), (the start scale, 0): GradScaler then finds it by skipping updates.
 
     A correct FP16 candidate may otherwise skip its first updates while the scale comes down, and be rejected for
     updates it did not make; the halvings are reported beside the gates instead. Every clean window, not the first
     alone: a scale at the first window's overflow edge would make later windows overflow and skip.
     """
-    if cand.precision != "fp16":
+    if candidate.precision != "fp16":
         return None, 0
-    if not gw.calibrate_loss_scale:
-        return gw.loss_scale_start, 0
-    state = gw.fresh_state(cand, init_scale=gw.loss_scale_start)
+    if not workload.calibrate_loss_scale:
+        return workload.loss_scale_start, 0
+    state = workload.fresh_state(candidate, init_scale=workload.loss_scale_start)
     try:
-        halvings, windows = 0, list(gw.clean)
+        halvings, windows = 0, list(workload.clean)
         while windows and halvings <= MAX_SCALE_HALVINGS:
-            loss = cand.backward(state, windows[0])
+            loss = candidate.backward(state, windows[0])
             state.scaler.unscale_(state.optimizer)
             before = state.scaler.get_scale()
             state.scaler.update()  # halves the scale when unscale_ found an inf or NaN
@@ -406,7 +406,7 @@ def calibrated_scale(cand: Candidate, gw: GateWorkload) -> tuple[float | None, i
                 halvings += 1
         if windows:
             raise TrainmechError(
-                f"candidate {cand.name}: no loss scale down to 2**{16 - MAX_SCALE_HALVINGS} gives finite gradients"
+                f"candidate {candidate.name}: no loss scale down to 2**{16 - MAX_SCALE_HALVINGS} gives finite gradients"
             )
         return state.scaler.get_scale(), halvings
     finally:

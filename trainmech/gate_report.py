@@ -8,8 +8,8 @@ a measurement, never a pass or a fail), then `decision.decide`. Its `Report` is 
 record of the planted bugs, `strategy_table` the quality-capacity-time table of the candidates that
 reached the performance stage.
 
-    ref = gates.make_reference(gw)
-    report = gate_report.judge(candidate, gw, ref)
+    reference = gates.make_reference(workload)
+    report = gate_report.judge(candidate, workload, reference)
     print("\n".join(report.lines()))                 # one line per stage: ✓ ✗ — · ○
     session.record(..., **report.record_fields(next_step))
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from trainmech.candidates import Candidate, GateWorkload
 from trainmech.checks import num
 from trainmech.decision import RECORD_DECISION, decide
+from trainmech.display import format_table
 from trainmech.gates import (
     EVIDENCE_LEVEL,
     GATES,
@@ -237,8 +238,8 @@ def performance_verdict(perf: Performance, reference: Performance) -> Verdict:
 
 
 def judge(
-    cand: Candidate,
-    gw: GateWorkload,
+    candidate: Candidate,
+    workload: GateWorkload,
     ref: Reference,
     *,
     warmup: int = 1,
@@ -254,23 +255,23 @@ def judge(
     most MAX_SCALER_SKIP_FRACTION of the reference's effective updates, both are run again with those attempts
     skipped, and the gates compare those runs: like for like, the skips reported by gate 3. A skip that is no
     overflow (a bug's NaN) is not forgiven: the first run is judged, and gate 2 fails that window."""
-    trace = trace or run_trace(cand, gw, teacher=ref.trace)
-    tol = ref.tolerances(cand.dtype)
+    trace = trace or run_trace(candidate, workload, teacher=ref.trace)
+    tol = ref.tolerances(candidate.dtype)
     skips, judged_ref = scaler_skips(ref.trace, trace), ref
     forgiven = skips and overflow_skips(ref.trace, trace, tol) == skips
     if forgiven and len(skips) <= MAX_SCALER_SKIP_FRACTION * effective_updates(ref.trace):
         trace.grads = []  # the first run's gradients are not judged
-        skipped, judged_ref = ref.skipping(gw, skips)
-        trace = run_trace(cand, skipped, teacher=judged_ref.trace)
-    expected_lrs = [gw.expected_lr(k) for k in range(len(trace.lrs))]
+        skipped, judged_ref = ref.skipping(workload, skips)
+        trace = run_trace(candidate, skipped, teacher=judged_ref.trace)
+    expected_lrs = [workload.expected_lr(k) for k in range(len(trace.lrs))]
     matched = skips if judged_ref is not ref else []  # unmatched, gate 3 finds (and counts) the skips itself
-    verdicts = correctness_gate(judged_ref.trace, trace, cand.dtype, tol, expected_lrs, matched)
+    verdicts = correctness_gate(judged_ref.trace, trace, candidate.dtype, tol, expected_lrs, matched)
     perf = ref_perf = None
     if measure and not any(v.failed for v in verdicts):
         perf, ref_perf = remeasure(
-            cand,
+            candidate,
             ref.candidate,
-            gw,
+            workload,
             warmup=warmup,
             repeats=repeats,
             init_scale=trace.loss_scale,
@@ -281,13 +282,13 @@ def judge(
     trace.grads = []  # kept only as long as gate 2 needs them (a GPU model's gradients are gigabytes per window)
     trace.rescaled = {k: (scale, {}) for k, (scale, _) in trace.rescaled.items()}  # … the scales stay
     return Report(
-        cand,
+        candidate,
         verdicts,
         perf,
         ref_perf,
         outcome,
         reason,
-        EVIDENCE_LEVEL.get(gw.device.type, "not-measured"),
+        EVIDENCE_LEVEL.get(workload.device.type, "not-measured"),
         trace,
         tol,
     )
@@ -336,30 +337,49 @@ def strategy_table(reference: Performance, reports: dict[str, Report]) -> str:
     cell = lambda v, fmt: "null" if v is None else format(v, fmt)  # noqa: E731
     change = lambda v, ref: f"{v / ref - 1:+.0%}"  # noqa: E731
     gpu = reference.on_gpu
-    head = (
-        f"{'candidate':<20} {'|Δ held-out|':>13} {'bound':>8} {'tracked fwd+bwd':>16} {'vs ref':>7} "
-        f"{'tracked update':>15} {'vs ref':>7} {'B/sequence':>11} {'vs ref':>7} {'peak reserved':>14} "
-        f"{'peak allocated':>15} {'median x':>9} {'P95 s':>8}  outcome"
-    )
+    header = [
+        "candidate",
+        "|Δ held-out|",
+        "bound",
+        "tracked fwd+bwd",
+        "vs ref",
+        "tracked update",
+        "vs ref",
+        "B/sequence",
+        "vs ref",
+        "peak reserved",
+        "peak allocated",
+        "median x",
+        "P95 s",
+        "outcome",
+    ]
 
     def row(name, p, delta, bound, ratio, outcome, changes=True):
         ref = reference
-        return (
-            f"{name:<20} {delta:>13} {bound:>8} {p.tracked_forward_backward_bytes:>16,} "
-            f"{change(p.tracked_forward_backward_bytes, ref.tracked_forward_backward_bytes) if changes else '':>7} "
-            f"{p.tracked_peak_bytes:>15,} {change(p.tracked_peak_bytes, ref.tracked_peak_bytes) if changes else '':>7} "
-            f"{p.bytes_per_row:>11,} {change(p.bytes_per_row, ref.bytes_per_row) if changes else '':>7} "
-            f"{cell(p.peak_reserved_bytes, ','):>14} {cell(p.peak_allocated_bytes, ','):>15} {cell(ratio, '.2f'):>9} "
-            f"{cell(p.step_time_p95_s if gpu else None, '.4f'):>8}  {outcome}"
-        )
+        return [
+            name,
+            delta,
+            bound,
+            p.tracked_forward_backward_bytes,
+            change(p.tracked_forward_backward_bytes, ref.tracked_forward_backward_bytes) if changes else "",
+            p.tracked_peak_bytes,
+            change(p.tracked_peak_bytes, ref.tracked_peak_bytes) if changes else "",
+            p.bytes_per_row,
+            change(p.bytes_per_row, ref.bytes_per_row) if changes else "",
+            cell(p.peak_reserved_bytes, ","),
+            cell(p.peak_allocated_bytes, ","),
+            cell(ratio, ".2f"),
+            cell(p.step_time_p95_s if gpu else None, ".4f"),
+            outcome,
+        ]
 
-    lines = [head, row("fp32-baseline", reference, "", "", 1.0 if gpu else None, "", changes=False)]
+    rows = [row("fp32-baseline", reference, "", "", 1.0 if gpu else None, "", changes=False)]
     for name, r in reports.items():
         p, q = r.performance, r.verdict("quality").evidence
         ratio = p.step_time_median_s / r.reference_performance.step_time_median_s if gpu else None
-        lines.append(
+        rows.append(
             row(
                 name, p, against_bound(q["delta"], q["bound"]), num(q["bound"], 2), ratio, r.outcome or "null"
             )
         )
-    return "\n".join(lines)
+    return format_table(header, rows)

@@ -15,15 +15,16 @@ fails; a fifth stage measures and never passes or fails:
                    training moved it
     5 performance  a measurement, not a gate (its verdict's `passed` is None), only after 1-4 passed
 
-Here: the reference and its noise floor, the tolerances and the four gates (`correctness_gate` applies
-them in order); the decision rule (`DecisionRule`, `RULE`, `decide`) is trainmech.decision, re-exported here. Running a candidate through
-all five stages and the report it gives are trainmech.gate_report:
+Here: the four gates (`correctness_gate` applies them in order). The reference, its noise floor and the
+tolerances are trainmech.tolerances; the decision rule (`DecisionRule`, `RULE`, `decide`) is
+trainmech.decision; both re-exported here. Running a candidate through all five stages and the report it
+gives are trainmech.gate_report:
 
-    ref = gates.make_reference(gw)                   # the FP32 baseline's trace, and its noise floor
-    report = gate_report.judge(candidate, gw, ref)   # gates 1-4, then the measurement, then `decide`
-    report.outcome, report.reason                    # accept / tune / no-gain / costs-memory / reject, or None
+    reference = gates.make_reference(workload)                 # the FP32 baseline's trace, and its noise floor
+    report = gate_report.judge(candidate, workload, reference)  # gates 1-4, then the measurement, then `decide`
+    report.outcome, report.reason                              # accept / tune / no-gain / costs-memory / reject, or None
 
-Tolerances (`tolerances`) start from the dtype (unit roundoff for gradients, a fraction of the
+Tolerances (`tolerances`, trainmech.tolerances) start from the dtype (unit roundoff for gradients, a fraction of the
 training movement for quality) and are checked against the reference's own noise: it is run again
 (run-to-run noise: a tolerance must stand well above it) and with another seed (a changed RNG: a
 tolerance must stay well below it, else an RNG bug would pass). `decide` keeps "wrong" (a failed
@@ -45,13 +46,12 @@ settled.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from trainmech.candidates import Candidate, GateWorkload
+from trainmech import tolerances as _tolerances
 from trainmech.checks import num
 from trainmech.decision import (
     OUTCOMES,
@@ -62,32 +62,24 @@ from trainmech.decision import (
     decide_measured,
     timing_spread,
 )
-from trainmech.tracing import Trace, run_trace
+from trainmech.tolerances import *  # noqa: F403  re-exported: gates.GRAD_RTOL, gates.make_reference, …
+from trainmech.tolerances import (
+    Tolerances,
+    compared_windows,
+    gradient_errors,
+    judged_grads,
+    movement,
+    tolerances,
+)
+from trainmech.tracing import Trace, all_finite
 
 __all__ = [
     "GATES",
-    "GRAD_RTOL",
-    "GRAD_RTOL_FROM",
     "FLOAT32_LINEARS",
-    "GRAD_FLOOR",
-    "QUALITY_FRACTION",
-    "NOISE_MULTIPLE",
-    "SEED_SEPARATION",
     "MAX_SCALER_SKIP_FRACTION",
     "EVIDENCE_LEVEL",
     "OUTCOMES",
     "RECORD_DECISION",
-    "gradient_errors",
-    "judged_grads",
-    "compared_windows",
-    "worst_error",
-    "movement",
-    "NoiseFloor",
-    "noise_floor",
-    "Tolerances",
-    "tolerances",
-    "Reference",
-    "make_reference",
     "Verdict",
     "inputs_gate",
     "gradients_gate",
@@ -105,161 +97,20 @@ __all__ = [
     "timing_spread",
     "decide_measured",
     "decide",
+    *_tolerances.__all__,
 ]
 
 GATES = ("inputs", "gradients", "updates", "quality", "performance")
 
-# Gate 2: largest |g_candidate - g_reference| of a parameter, relative to that parameter's largest
-# reference gradient, by the dtype that ran. float32: bitwise on a CPU; 1e-4 leaves room for GPU
-# kernels that reorder sums (atomics). FP16: ~40 unit roundoffs (2^-11); BF16: ~13 (2^-8).
-GRAD_RTOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
-GRAD_RTOL_FROM = {  # what each tolerance is sized for (a verdict's `rtol_from`)
-    "float32": "float32 with reordered sums (GPU atomics)",
-    "float16": "float16 rounding",
-    "bfloat16": "bfloat16 rounding",
-}
 # Gate 2's dtype check: every Linear inside the decoder layers must run the claimed dtype; only these Linear
 # modules (by name in the model) may run float32 beside it (a mixed-precision recipe may keep the head in full
 # precision). An autocast around the head alone leaves the layers in float32: not the claimed FP16.
 FLOAT32_LINEARS = ("lm_head",)
-GRAD_FLOOR = 1e-3  # a parameter's scale is at least GRAD_FLOOR x the largest gradient of all: no noise ratios
-# Gate 4: |held-out token loss of candidate - reference| after the same effective updates, as a fraction of
-# how far training moved the reference's held-out loss: a candidate may not change the training outcome by
-# more than this share of what training did. 16-bit rounding accumulates over updates, hence wider bounds.
-QUALITY_FRACTION = {"float32": 0.005, "float16": 0.02, "bfloat16": 0.05}
-NOISE_MULTIPLE = 10  # a tolerance stands at least this far above the reference's run-to-run noise
-SEED_SEPARATION = 3  # … and this far below what another RNG seed changes, or an RNG bug would pass
 # Gate 3: GradScaler skips of attempts the reference stepped, as a share of the reference's effective updates,
 # that are judged like for like (the reference skipping them too). Each overflow halves the scale, so a correct
 # candidate after the calibrated start overflows rarely; losing more than this means the scale is not settled.
 MAX_SCALER_SKIP_FRACTION = 0.25
 EVIDENCE_LEVEL = {"cpu": "cpu-mechanism", "cuda": "gpu-measured"}
-
-
-# ----------------------------------------------------------------------------- the reference and its noise
-
-
-def gradient_errors(ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per parameter: max |g_cand - g_ref| / max(max |g_ref|, GRAD_FLOOR x the largest |g_ref|), in float64."""
-    top = max(float(g.abs().max()) for g in ref.values())
-    out = {}
-    for name, g in ref.items():
-        if name not in cand:
-            out[name] = float("inf")
-            continue
-        scale = max(float(g.abs().max()), GRAD_FLOOR * top, torch.finfo(torch.float64).tiny)
-        out[name] = float((cand[name].double() - g.double()).abs().max()) / scale
-    return out
-
-
-def _finite(grads: dict[str, torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(g).all()) for g in grads.values())
-
-
-def judged_grads(cand: Trace, k: int) -> dict[str, torch.Tensor]:
-    """The gradients gate 2 compares at attempt k: the judged pass's, or — where GradScaler skipped k on a finite
-    loss and those were not finite — the same pass recomputed at the lower scale that made them finite
-    (`Trace.rescaled`: an overflow fits there, a bug's NaN or inf does not)."""
-    return cand.rescaled[k][1] if k in cand.rescaled else cand.grads[k]
-
-
-def compared_windows(ref: Trace, cand: Trace) -> list[int]:
-    """The attempts whose gradients gate 2 compares: every one the reference finished with finite gradients
-    (an injected non-finite sample makes both NaN), as far as the candidate got — those the candidate's
-    GradScaler skipped included, by `judged_grads`: a skip is no reason to look away."""
-    return [k for k in range(min(len(ref.grads), len(cand.grads))) if _finite(ref.grads[k])]
-
-
-def worst_error(ref: Trace, cand: Trace, windows: list[int] | None = None) -> float:
-    """The largest per-parameter gradient error over the compared windows (inf where a window is missing)."""
-    windows = compared_windows(ref, cand) if windows is None else windows
-    return max(
-        (max(gradient_errors(ref.grads[k], judged_grads(cand, k)).values()) for k in windows),
-        default=float("inf"),
-    )
-
-
-def movement(trace: Trace) -> float:
-    """How far training moved the held-out loss (nats): the scale gate 4's bound is a fraction of."""
-    return abs(trace.held_out_before - trace.held_out_loss)
-
-
-@dataclass(frozen=True)
-class NoiseFloor:
-    """The reference against itself: run again (noise) and from another seed (what a changed RNG does)."""
-
-    grad_self: float  # worst per-parameter gradient error over every window, rerun
-    grad_seed: float  # worst per-parameter gradient error of the first window, another seed
-    quality_self: float  # |Δ held-out loss|, rerun
-    quality_seed: float  # |Δ held-out loss|, another seed
-
-
-def noise_floor(reference: Candidate, gw: GateWorkload, ref_trace: Trace) -> NoiseFloor:
-    """Run the reference twice more, each window from the reference's own weights: with the workload's seed (its
-    run-to-run noise; 0 on a CPU) and with the next seed (dropout draws other masks: the effect an RNG bug has)."""
-    again = run_trace(reference, gw, teacher=ref_trace)
-    grad_self, again.grads = worst_error(ref_trace, again), []  # one run's gradients in host memory at a time
-    other = run_trace(reference, gw, seed=gw.seed + 1, teacher=ref_trace)
-    return NoiseFloor(
-        grad_self,
-        worst_error(ref_trace, other, [0]),
-        abs(again.held_out_loss - ref_trace.held_out_loss),
-        abs(other.held_out_loss - ref_trace.held_out_loss),
-    )
-
-
-@dataclass(frozen=True)
-class Tolerances:
-    grad_rtol: float
-    quality_bound: float  # nats
-    grad_from: str  # GRAD_RTOL_FROM[dtype], or "10 x run-to-run noise"
-    quality_from: str
-
-
-def tolerances(dtype: str, ref: Trace, floor: NoiseFloor | None = None) -> Tolerances:
-    """Gate 2's and gate 4's tolerances for a dtype: from the dtype, raised to NOISE_MULTIPLE x the reference's
-    run-to-run noise where that is larger (a GPU's atomics); quality as a fraction of the training movement."""
-    grad, grad_from = GRAD_RTOL[dtype], GRAD_RTOL_FROM[dtype]
-    quality, quality_from = (
-        QUALITY_FRACTION[dtype] * movement(ref),
-        f"{QUALITY_FRACTION[dtype]:g} x the training movement",
-    )
-    if floor is not None and NOISE_MULTIPLE * floor.grad_self > grad:
-        grad, grad_from = NOISE_MULTIPLE * floor.grad_self, f"{NOISE_MULTIPLE} x run-to-run noise"
-    if floor is not None and NOISE_MULTIPLE * floor.quality_self > quality:
-        quality, quality_from = NOISE_MULTIPLE * floor.quality_self, f"{NOISE_MULTIPLE} x run-to-run noise"
-    return Tolerances(grad, quality, grad_from, quality_from)
-
-
-@dataclass
-class Reference:
-    """What every candidate is held to: the reference candidate, its trace, and its noise floor."""
-
-    candidate: Candidate
-    trace: Trace
-    floor: NoiseFloor | None = None
-    peaks: dict = field(
-        default_factory=dict
-    )  # its peaks on a workload, measured once for every candidate (performance.remeasure)
-
-    def tolerances(self, dtype: str) -> Tolerances:
-        return tolerances(dtype, self.trace, self.floor)
-
-    def skipping(self, gw: GateWorkload, attempts: list[int]) -> tuple[GateWorkload, Reference]:
-        """The workload with `attempts` skipped too (a non-finite sample there, as at `inject_at`), and the
-        reference run on it: what a candidate whose GradScaler skipped those attempts is held to."""
-        skipped = dataclasses.replace(gw, inject_at=tuple(sorted({*gw.inject_at, *attempts})))
-        trace = run_trace(self.candidate, skipped, keep_weights=True)
-        return skipped, Reference(self.candidate, trace, self.floor, self.peaks)
-
-
-def make_reference(
-    gw: GateWorkload, candidate: Candidate | None = None, *, calibrate: bool = True
-) -> Reference:
-    """The FP32 baseline (no strategy) through the gate workload, and its noise floor (two more runs)."""
-    candidate = candidate or Candidate("fp32-baseline", "TRAIN-AMP-BACKWARD")
-    trace = run_trace(candidate, gw, keep_weights=True)
-    return Reference(candidate, trace, noise_floor(candidate, gw, trace) if calibrate else None)
 
 
 # ----------------------------------------------------------------------------- the gates
@@ -289,22 +140,22 @@ def _stopped(trace: Trace) -> tuple[int, str] | None:
 
 
 def inputs_gate(
-    ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
+    ref: Trace, candidate: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
     """Gate 1: the same windows handed out, the same multiset of sequences consumed per window, the same RNG states."""
-    n = len(cand.consumed)
+    n = len(candidate.consumed)
     evidence = {
         "attempts": n,
-        "sequences_consumed": sum(map(len, cand.consumed)),
+        "sequences_consumed": sum(map(len, candidate.consumed)),
         "sequences_expected": sum(map(len, ref.consumed[:n])),
-        "tokens_consumed": cand.tokens,
+        "tokens_consumed": candidate.tokens,
     }
-    if cand.handed != ref.handed[:n]:
+    if candidate.handed != ref.handed[:n]:
         return Verdict("inputs", False, evidence, "the windows handed out differ from the reference's")
-    stopped = _stopped(cand)
+    stopped = _stopped(candidate)
 
     def same(a: int) -> bool:  # a run the candidate's exception ended consumed only part of its last window
-        got, want = sorted(cand.consumed[a]), sorted(ref.consumed[a])
+        got, want = sorted(candidate.consumed[a]), sorted(ref.consumed[a])
         if stopped and a == n - 1:
             return all(got.count(d) <= want.count(d) for d in set(got))
         return got == want
@@ -312,14 +163,14 @@ def inputs_gate(
     differ = next((a for a in range(n) if not same(a)), None)
     if differ is not None:
         evidence["first_difference"] = differ
-        got, want = len(cand.consumed[differ]), len(ref.consumed[differ])
+        got, want = len(candidate.consumed[differ]), len(ref.consumed[differ])
         return Verdict(
             "inputs",
             False,
             evidence,
             f"attempt {differ}: the model received {got} of the reference's {want} sequences, or other ones",
         )
-    if cand.rng != ref.rng[:n]:
+    if candidate.rng != ref.rng[:n]:
         return Verdict(
             "inputs", False, evidence, "the RNG state at a window's start differs from the reference's"
         )
@@ -339,65 +190,65 @@ def inputs_gate(
     )
 
 
-def dtype_mismatches(cand: Trace, claimed_dtype: str) -> dict[str, list[str]]:
+def dtype_mismatches(candidate: Trace, claimed_dtype: str) -> dict[str, list[str]]:
     """The Linear modules whose outputs in the first window were not what the claim allows: every one must run
     the claimed dtype, alone; those named in FLOAT32_LINEARS may run float32 instead (or beside it)."""
     allowed = lambda name: {claimed_dtype} | ({"float32"} if name in FLOAT32_LINEARS else set())  # noqa: E731
     return {
         name: ran
-        for name, ran in cand.linear_dtypes.items()
+        for name, ran in candidate.linear_dtypes.items()
         if not set(ran) <= allowed(name) or (name not in FLOAT32_LINEARS and claimed_dtype not in ran)
     }
 
 
-def _not_an_overflow(cand: Trace, k: int) -> str:
+def _not_an_overflow(candidate: Trace, k: int) -> str:
     """Why a window GradScaler skipped is no overflow (for gate 2's message), or "" where it did not skip."""
-    if not (k < len(cand.scaler_backoff) and cand.scaler_backoff[k]):
+    if not (k < len(candidate.scaler_backoff) and candidate.scaler_backoff[k]):
         return ""
-    if not math.isfinite(cand.losses[k]):
+    if not math.isfinite(candidate.losses[k]):
         return (
             " (GradScaler skipped it, but its loss is not finite: no loss scale fixes a forward's NaN or inf)"
         )
-    if k in cand.rescaled:
-        scale, grads = cand.rescaled[k]
-        state = "finite but off the reference's" if _finite(grads) else "still not finite"
+    if k in candidate.rescaled:
+        scale, grads = candidate.rescaled[k]
+        state = "finite but off the reference's" if all_finite(grads.values()) else "still not finite"
         return f" (GradScaler skipped it; recomputed at loss scale {scale:g} its gradients are {state}: not an overflow)"
     return " (GradScaler skipped it)"
 
 
 def gradients_gate(
-    ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
+    ref: Trace, candidate: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
     """Gate 2: the claimed dtype ran in every decoder-layer Linear (only FLOAT32_LINEARS, e.g. the head, may run
     float32 beside or instead of it: an autocast around the head alone is no FP16 candidate); in every compared
     window — a window GradScaler skipped by its gradients at a scale where they fit (`judged_grads`) — every
     parameter's gradient within the claimed dtype's tolerance."""
     tol = tol or tolerances(claimed_dtype, ref)
-    stopped = _stopped(cand)
-    if not cand.grads:
-        return Verdict("gradients", False, {"error": cand.error}, f"no gradients: {cand.error}")
-    ran = cand.dtypes
+    stopped = _stopped(candidate)
+    if not candidate.grads:
+        return Verdict("gradients", False, {"error": candidate.error}, f"no gradients: {candidate.error}")
+    ran = candidate.dtypes
     evidence = {
         "claimed_dtype": claimed_dtype,
         "ran": "/".join(ran),
         "rtol": tol.grad_rtol,
         "rtol_from": tol.grad_from,
     }
-    off = dtype_mismatches(cand, claimed_dtype)
+    off = dtype_mismatches(candidate, claimed_dtype)
     evidence["dtype_mismatches"] = off
-    if off or not cand.linear_dtypes:
+    if off or not candidate.linear_dtypes:
         first = next(iter(off), None)
         where = (
-            f"{len(off)} of {len(cand.linear_dtypes)} Linear modules ran other dtypes (first: {first}, "
+            f"{len(off)} of {len(candidate.linear_dtypes)} Linear modules ran other dtypes (first: {first}, "
             f"{'/'.join(off[first])})"
             if off
             else "no Linear module ran"
         )
         return Verdict("gradients", False, evidence, f"claims {claimed_dtype}, but {where}")
-    windows = compared_windows(ref, cand)
+    windows = compared_windows(ref, candidate)
     if not windows:
         return Verdict("gradients", False, evidence, "no window to compare: the reference has no finite one")
-    per_window = {k: gradient_errors(ref.grads[k], judged_grads(cand, k)) for k in windows}
+    per_window = {k: gradient_errors(ref.grads[k], judged_grads(candidate, k)) for k in windows}
     bound = lambda k: tol.grad_rtol  # noqa: E731
     first = per_window.get(0, {})
     everywhere = {
@@ -415,19 +266,21 @@ def gradients_gate(
         "compared": windows,  # the attempts whose gradients were compared, in order
         "window_worst": [max(per_window[k].values()) for k in windows],  # … the worst error of each
         "first_bad_window": bad_windows[0] if bad_windows else None,
-        "rescaled": {k: cand.rescaled[k][0] for k in windows if k in cand.rescaled},  # attempt -> loss scale
+        "rescaled": {
+            k: candidate.rescaled[k][0] for k in windows if k in candidate.rescaled
+        },  # attempt -> loss scale
         "parameters": len(everywhere),
-        "loss_abs_error": max(abs(cand.losses[k] - ref.losses[k]) for k in windows),
+        "loss_abs_error": max(abs(candidate.losses[k] - ref.losses[k]) for k in windows),
         "grad_max_abs_error": max(
-            float((judged_grads(cand, k)[n] - g).abs().max())
+            float((judged_grads(candidate, k)[n] - g).abs().max())
             for k in windows
             for n, g in ref.grads[k].items()
-            if n in judged_grads(cand, k)
+            if n in judged_grads(candidate, k)
         ),
     }
     if stopped and stopped[1] == "backward":
         return Verdict(
-            "gradients", False, evidence, f"no gradients from attempt {stopped[0]} on: {cand.error}"
+            "gradients", False, evidence, f"no gradients from attempt {stopped[0]} on: {candidate.error}"
         )
     if bad_windows:
         k = bad_windows[0]
@@ -438,7 +291,7 @@ def gradients_gate(
             False,
             evidence,
             f"window {k}: {over} of {len(everywhere)} parameters over {bound(k):.0e}; "
-            f"worst {name} at {per_window[k][name]:.1e}{_not_an_overflow(cand, k)}",
+            f"worst {name} at {per_window[k][name]:.1e}{_not_an_overflow(candidate, k)}",
         )
     return Verdict(
         "gradients",
@@ -454,33 +307,33 @@ def effective_updates(trace: Trace) -> int:
     return sum(s and f for s, f in zip(trace.stepped, trace.finite))
 
 
-def scaler_skips(ref: Trace, cand: Trace) -> list[int]:
+def scaler_skips(ref: Trace, candidate: Trace) -> list[int]:
     """Attempts the reference stepped where the candidate's GradScaler lowered its scale and skipped the step."""
     return [
         a
-        for a, (stepped, backoff) in enumerate(zip(cand.stepped, cand.scaler_backoff))
+        for a, (stepped, backoff) in enumerate(zip(candidate.stepped, candidate.scaler_backoff))
         if backoff and not stepped and a < len(ref.stepped) and ref.stepped[a]
     ]
 
 
-def overflow_skips(ref: Trace, cand: Trace, tol: Tolerances) -> list[int]:
+def overflow_skips(ref: Trace, candidate: Trace, tol: Tolerances) -> list[int]:
     """The scaler skips that are overflows of the scaled backward, GradScaler doing its job: the window's loss
     finite, and its gradients (`judged_grads`: at a lower scale where they fit) finite and within gate 2's
     tolerance of the reference's. A NaN or inf from a bug — a zero-token divide, a forward overflowing FP16 —
     stays at every scale: such a skip is not forgiven, gate 2 fails it."""
     return [
         k
-        for k in scaler_skips(ref, cand)
-        if k < min(len(cand.grads), len(ref.grads))
-        and math.isfinite(cand.losses[k])
-        and _finite(judged_grads(cand, k))
-        and max(gradient_errors(ref.grads[k], judged_grads(cand, k)).values()) <= tol.grad_rtol
+        for k in scaler_skips(ref, candidate)
+        if k < min(len(candidate.grads), len(ref.grads))
+        and math.isfinite(candidate.losses[k])
+        and all_finite(judged_grads(candidate, k).values())
+        and max(gradient_errors(ref.grads[k], judged_grads(candidate, k)).values()) <= tol.grad_rtol
     ]
 
 
 def updates_gate(
     ref: Trace,
-    cand: Trace,
+    candidate: Trace,
     claimed_dtype: str = "float32",
     tol: Tolerances | None = None,
     expected_lrs: list[float] | None = None,
@@ -492,30 +345,30 @@ def updates_gate(
     skipped_by_scaler: attempts the candidate's GradScaler skipped where the reference (before
     `gate_report.judge` held the candidate to a reference skipping them too) stepped: reported apart; more
     than MAX_SCALER_SKIP_FRACTION of the reference's effective updates fail. Without it, any found here count."""
-    effective, want = effective_updates(cand), effective_updates(ref)
-    overflowed = list(skipped_by_scaler) or scaler_skips(ref, cand)
+    effective, want = effective_updates(candidate), effective_updates(ref)
+    overflowed = list(skipped_by_scaler) or scaler_skips(ref, candidate)
     lrs = expected_lrs if expected_lrs is not None else ref.lrs
     evidence = {
-        "attempts": len(cand.stepped),
+        "attempts": len(candidate.stepped),
         "effective_updates": effective,
         "expected_effective_updates": want,
-        "skipped_updates": len(cand.stepped) - effective,
-        "non_finite_written": not all(cand.finite),
-        "optimizer_steps": cand.optimizer_steps,
-        "scheduler_steps": cand.scheduler_steps,
-        "loss_scale_halvings": cand.scale_halvings,
+        "skipped_updates": len(candidate.stepped) - effective,
+        "non_finite_written": not all(candidate.finite),
+        "optimizer_steps": candidate.optimizer_steps,
+        "scheduler_steps": candidate.scheduler_steps,
+        "loss_scale_halvings": candidate.scale_halvings,
         "scaler_skips": overflowed,
     }
     too_many = len(overflowed) > MAX_SCALER_SKIP_FRACTION * (want + len(skipped_by_scaler))
-    mismatch = next((k for k, (a, b) in enumerate(zip(cand.lrs, lrs)) if a != b), None)
+    mismatch = next((k for k, (a, b) in enumerate(zip(candidate.lrs, lrs)) if a != b), None)
     evidence["first_lr_mismatch"] = mismatch
     off_clock = (
         ""
         if mismatch is None
-        else f"effective update {mismatch} ran at lr {cand.lrs[mismatch]:.3e}, the clock says {lrs[mismatch]:.3e}"
+        else f"effective update {mismatch} ran at lr {candidate.lrs[mismatch]:.3e}, the clock says {lrs[mismatch]:.3e}"
     )
     checks = [  # the first that holds is the verdict's message
-        (cand.error is not None, f"the run stopped: {cand.error}"),
+        (candidate.error is not None, f"the run stopped: {candidate.error}"),
         (evidence["non_finite_written"], "a non-finite value was written into the parameters"),
         (
             too_many,
@@ -524,12 +377,12 @@ def updates_gate(
         ),
         (effective != want, f"{effective} effective updates, the reference made {want}"),
         (
-            cand.optimizer_steps != effective,
-            f"the optimizer counted {cand.optimizer_steps} steps for {effective} effective updates",
+            candidate.optimizer_steps != effective,
+            f"the optimizer counted {candidate.optimizer_steps} steps for {effective} effective updates",
         ),
         (
-            cand.scheduler_steps != effective,
-            f"the scheduler moved {cand.scheduler_steps} times for {effective} effective updates",
+            candidate.scheduler_steps != effective,
+            f"the scheduler moved {candidate.scheduler_steps} times for {effective} effective updates",
         ),
         (mismatch is not None, off_clock),
     ]
@@ -558,14 +411,14 @@ def against_bound(delta: float, bound: float) -> str:
 
 
 def quality_gate(
-    ref: Trace, cand: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
+    ref: Trace, candidate: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
     """Gate 4: held-out token loss after the same effective updates within the bound (a fraction of the
     reference's training movement)."""
     tol = tol or tolerances(claimed_dtype, ref)
-    delta = abs(cand.held_out_loss - ref.held_out_loss)
+    delta = abs(candidate.held_out_loss - ref.held_out_loss)
     evidence = {
-        "held_out_loss": cand.held_out_loss,
+        "held_out_loss": candidate.held_out_loss,
         "reference_held_out_loss": ref.held_out_loss,
         "delta": delta,
         "bound": tol.quality_bound,
@@ -577,7 +430,7 @@ def quality_gate(
         "quality",
         passed,
         evidence,
-        f"held-out loss {num(cand.held_out_loss)} vs {num(ref.held_out_loss)}: "
+        f"held-out loss {num(candidate.held_out_loss)} vs {num(ref.held_out_loss)}: "
         f"|Δ| {against_bound(delta, tol.quality_bound)} the bound "
         f"{num(tol.quality_bound, 2)} nats ({tol.quality_from})",
     )
@@ -585,7 +438,7 @@ def quality_gate(
 
 def correctness_gate(
     ref: Trace,
-    cand: Trace,
+    candidate: Trace,
     claimed_dtype: str,
     tol: Tolerances,
     expected_lrs: list[float],
@@ -600,23 +453,23 @@ def correctness_gate(
             if gate is updates_gate
             else {}
         )
-        verdicts.append(gate(ref, cand, claimed_dtype, tol, **extra))
+        verdicts.append(gate(ref, candidate, claimed_dtype, tol, **extra))
         if not verdicts[-1].passed:
             break
     return verdicts
 
 
-def bitwise_equal(ref: Trace, cand: Trace) -> bool:
+def bitwise_equal(ref: Trace, candidate: Trace) -> bool:
     """Every window's loss and every gradient tensor bitwise equal to the reference's (over the candidate's
     windows, which may be fewer): what a strategy that changes no arithmetic (recompute the same ops, fetch
     back the same bits) must give on a CPU."""
-    n = len(cand.grads)
+    n = len(candidate.grads)
     return (
-        cand.error is None
+        candidate.error is None
         and 0 < n <= len(ref.grads)
-        and cand.losses == ref.losses[:n]
+        and candidate.losses == ref.losses[:n]
         and all(
             a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-            for a, b in zip(cand.grads, ref.grads)
+            for a, b in zip(candidate.grads, ref.grads)
         )
     )

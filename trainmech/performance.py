@@ -83,9 +83,9 @@ class Performance:
         return self.device_type == "cuda" and self.peak_reserved_bytes is not None
 
 
-def _one_update(cand: Candidate, state, window) -> None:
-    cand.backward(state, window)
-    cand.update(state)
+def _one_update(candidate: Candidate, state, window) -> None:
+    candidate.backward(state, window)
+    candidate.update(state)
 
 
 ALLOCATOR_FIELDS = (
@@ -111,7 +111,7 @@ def _emptied_cache(device: torch.device) -> int:
     return int(total - free - torch.cuda.memory_reserved(device))
 
 
-def _allocator_peaks(cand: Candidate, state, window, device: torch.device, source: str) -> dict:
+def _allocator_peaks(candidate: Candidate, state, window, device: torch.device, source: str) -> dict:
     """The allocator's peaks over steady updates of one window, allocated and reserved: over a forward + backward,
     and over a whole update (one more, measured alone). CUDA: the cache emptied before each, so the reserved
     peak is what the update needs from an empty cache, and the memory outside the allocator beside them.
@@ -120,12 +120,12 @@ def _allocator_peaks(cand: Candidate, state, window, device: torch.device, sourc
     cuda = source == "cuda"
     outside = _emptied_cache(device) if cuda else None
     with allocator_window(device, source) as fb:
-        cand.backward(state, window)
-    cand.update(state)
+        candidate.backward(state, window)
+    candidate.update(state)
     if cuda:
         _emptied_cache(device)
     with allocator_window(device, source) as whole:
-        _one_update(cand, state, window)
+        _one_update(candidate, state, window)
     return {
         "peak_allocated_bytes": whole.peak_bytes,
         "peak_reserved_bytes": whole.peak_reserved_bytes,
@@ -135,42 +135,44 @@ def _allocator_peaks(cand: Candidate, state, window, device: torch.device, sourc
     }
 
 
-def _tracked_peaks(cand: Candidate, state, window) -> dict:
+def _tracked_peaks(candidate: Candidate, state, window) -> dict:
     """The tracked tensor storages born in one steady update, at their peak: before the optimizer step and over it."""
     tracker = StorageTracker("backward")
     with tracker:
-        cand.backward(state, window)
+        candidate.backward(state, window)
         forward_backward = max(tracker.live, default=0)
         tracker.phase = "update"
-        cand.update(state)
+        candidate.update(state)
     return {
         "tracked_peak_bytes": max(tracker.live, default=0),
         "tracked_forward_backward_bytes": forward_backward,
     }
 
 
-def _peaks(cand: Candidate, gw: GateWorkload, warmup: int, init_scale: float | None, allocator=None) -> dict:
+def _peaks(
+    candidate: Candidate, workload: GateWorkload, warmup: int, init_scale: float | None, allocator=None
+) -> dict:
     """Steady updates measured alone, after `warmup` untimed ones: the allocator's peaks (`_allocator_peaks`; None
     without an allocator count), the tracked tensor bytes, and the capacity slope (`_bytes_per_row`)."""
-    state = gw.fresh_state(cand, init_scale=init_scale)
-    clean = gw.clean
+    state = workload.fresh_state(candidate, init_scale=init_scale)
+    clean = workload.clean
     for i in range(max(warmup, 1)):  # at least one: the optimizer's moments exist, as in every later update
-        _one_update(cand, state, clean[i % len(clean)])
+        _one_update(candidate, state, clean[i % len(clean)])
     window = clean[max(warmup, 1) % len(clean)]
-    source = _allocator(gw.device, allocator)
+    source = _allocator(workload.device, allocator)
     out = dict.fromkeys(ALLOCATOR_FIELDS)
     try:
         if source:
-            out |= _allocator_peaks(cand, state, window, gw.device, source)
-        out |= _tracked_peaks(cand, state, window)
-        out["bytes_per_row"] = _bytes_per_row(cand, state, window[0], gw.device, source)
+            out |= _allocator_peaks(candidate, state, window, workload.device, source)
+        out |= _tracked_peaks(candidate, state, window)
+        out["bytes_per_row"] = _bytes_per_row(candidate, state, window[0], workload.device, source)
     finally:
         state.close()
     return out
 
 
 def _accumulating_peak(
-    cand: Candidate, state, micro_batch: dict, device: torch.device, source: str | None
+    candidate: Candidate, state, micro_batch: dict, device: torch.device, source: str | None
 ) -> int:
     """The peak of one micro-batch's forward + backward above what lived before, accumulating into gradients
     that are already alive: the allocator's (its window around the backward), without an allocator the tracked
@@ -178,15 +180,15 @@ def _accumulating_peak(
     the logits, the loss's log-softmax and their gradients, a replayed layer, an offload's fetched copies."""
     if source:
         with allocator_window(device, source) as window:
-            cand.backward(state, MicroBatches([micro_batch]))
+            candidate.backward(state, MicroBatches([micro_batch]))
         return window.peak_above_start
     with StorageTracker("backward") as tracker:
-        cand.backward(state, MicroBatches([micro_batch]))
+        candidate.backward(state, MicroBatches([micro_batch]))
     return max(tracker.live, default=0)
 
 
 def _bytes_per_row(
-    cand: Candidate, state, micro_batch: dict, device: torch.device, source: str | None
+    candidate: Candidate, state, micro_batch: dict, device: torch.device, source: str | None
 ) -> int:
     """The capacity slope: what one more sequence adds to the peak of a micro-batch that accumulates into a
     window's gradients (every micro-batch after the first), measured between the micro-batch's rows twice and
@@ -195,15 +197,19 @@ def _bytes_per_row(
     matter (nothing is updated, the gradients are dropped after)."""
     rows = int(micro_batch["input_ids"].shape[0])
     times = lambda k: {key: torch.cat([v] * k) for key, v in micro_batch.items()}  # noqa: E731
-    cand.backward(state, MicroBatches([micro_batch]))  # the gradients are alive from here on, as in a window
-    peaks = [_accumulating_peak(cand, state, times(k), device, source) for k in (2, 4)]
+    candidate.backward(
+        state, MicroBatches([micro_batch])
+    )  # the gradients are alive from here on, as in a window
+    peaks = [_accumulating_peak(candidate, state, times(k), device, source) for k in (2, 4)]
     state.optimizer.zero_grad(set_to_none=True)
     return (peaks[1] - peaks[0]) // (2 * rows)
 
 
-def _transfer(cand: Candidate, attempts: int) -> tuple[float | None, float | None]:
+def _transfer(candidate: Candidate, attempts: int) -> tuple[float | None, float | None]:
     """Median per update of the offload strategies' exposed transfer and copy times (None off CUDA / without offload)."""
-    runs = [s for strategy in cand.strategies if hasattr(strategy, "collect") for s in strategy.collect()]
+    runs = [
+        s for strategy in candidate.strategies if hasattr(strategy, "collect") for s in strategy.collect()
+    ]
     if not runs or runs[0].exposed_transfer_time_s is None or attempts == 0:
         return None, None
     per = len(runs) // attempts  # instances per update (one per micro-batch)
@@ -215,9 +221,9 @@ def _transfer(cand: Candidate, attempts: int) -> tuple[float | None, float | Non
 
 
 def remeasure(
-    cand: Candidate,
+    candidate: Candidate,
     reference: Candidate,
-    gw: GateWorkload,
+    workload: GateWorkload,
     *,
     warmup: int,
     repeats: int,
@@ -235,38 +241,43 @@ def remeasure(
     allocator: whose peaks fill the allocator fields: None — CUDA's on a GPU, none elsewhere (null, unknown);
     "cpu-profiler" — the CPU allocator, so a CPU runs the same bookkeeping (peaks above each window's start).
     """
-    with gw.running():
-        scales = {id(cand): init_scale, id(reference): None}
+    with workload.running():
+        scales = {id(candidate): init_scale, id(reference): None}
         known = reference_peaks if reference_peaks is not None else {}
-        if (gw_key := (id(gw), warmup, allocator)) not in known:
-            known[gw_key] = _peaks(reference, gw, warmup, None, allocator)
-        peaks = {id(cand): _peaks(cand, gw, warmup, init_scale, allocator), id(reference): known[gw_key]}
-        states = {id(c): gw.fresh_state(c, init_scale=scales[id(c)]) for c in (cand, reference)}
-        clean = gw.clean
-        order = [(cand, reference), (reference, cand)]
+        if (workload_key := (id(workload), warmup, allocator)) not in known:
+            known[workload_key] = _peaks(reference, workload, warmup, None, allocator)
+        peaks = {
+            id(candidate): _peaks(candidate, workload, warmup, init_scale, allocator),
+            id(reference): known[workload_key],
+        }
+        states = {id(c): workload.fresh_state(c, init_scale=scales[id(c)]) for c in (candidate, reference)}
+        clean = workload.clean
+        order = [(candidate, reference), (reference, candidate)]
         try:
             for i in range(warmup):
-                for c in (cand, reference):
+                for c in (candidate, reference):
                     _one_update(c, states[id(c)], clean[i % len(clean)])
-            for c in (cand, reference):
+            for c in (candidate, reference):
                 _transfer(c, 0)  # forget the warm-up's offload runs
-            seconds = {id(cand): [], id(reference): []}
+            seconds = {id(candidate): [], id(reference): []}
             for i in progress(
-                range(repeats), desc=f"timing {cand.name} beside {reference.name}", unit="round"
+                range(repeats), desc=f"timing {candidate.name} beside {reference.name}", unit="round"
             ):
                 for c in order[i % 2]:
                     window = clean[(warmup + i) % len(clean)]
-                    seconds[id(c)].append(timed(partial(_one_update, c, states[id(c)], window), gw.device)[1])
+                    seconds[id(c)].append(
+                        timed(partial(_one_update, c, states[id(c)], window), workload.device)[1]
+                    )
         finally:
-            for c in (cand, reference):
+            for c in (candidate, reference):
                 states[id(c)].optimizer.zero_grad(set_to_none=True)
                 states[id(c)].close()
     out = []
-    for c in (cand, reference):
+    for c in (candidate, reference):
         exposed, transfer = _transfer(c, repeats)
         out.append(
             Performance(
-                gw.device.type,
+                workload.device.type,
                 **time_stats(seconds[id(c)]),
                 **peaks[id(c)],
                 exposed_transfer_time_s=exposed,

@@ -1,8 +1,8 @@
 """Task5's experiments as result objects, each writing its own record fields.
 
     run = StrategyRun("hf-checkpoint", "TRAIN-CHECKPOINT", updates, trace, verdict, recompute=count, …)
-    run.performance, run.reference_performance = performance.remeasure(plain, baseline, gw, …)
-    session.record("TRAIN-CHECKPOINT", f"{wid}.{run.name}", candidate=run.name, **common, **run.record_fields())
+    run.performance, run.reference_performance = performance.remeasure(plain, baseline, workload, …)
+    session.record("TRAIN-CHECKPOINT", f"{workload_id}.{run.name}", candidate=run.name, **common, **run.record_fields())
     session.record("TRAIN-STATE-LEDGER", …, **ledger_fields(book, step, baseline_step, …))
 
 Peaks and times follow the fifth stage of the gates (trainmech.performance.Performance): on CUDA the
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from trainmech import decision, ledger
 from trainmech.checkpointing import RecomputeCount
 from trainmech.checks import num
+from trainmech.display import format_table
 from trainmech.gates import Verdict
 from trainmech.ledger.compare import MEASURED_PEAK_WITH
 from trainmech.offload import TransferStats
@@ -268,21 +269,33 @@ def timing_table(runs: dict[str, StrategyRun]) -> str:
     baseline's, reserved and allocated peaks of a steady update and reserved of its forward + backward, and for
     an offload its exposed and total transfer seconds per update."""
     cell = lambda v, fmt: f"{v:{fmt}}" if v is not None else "—"  # noqa: E731
-    lines = [
-        f"{'strategy':<19} {'median s':>9} {'P95 s':>8} {'x median':>9} {'reserved':>15} {'allocated':>15} "
-        f"{'fwd+bwd reserved':>17} {'exposed s':>10} {'transfer s':>11}"
+    header = [
+        "strategy",
+        "median s",
+        "P95 s",
+        "x median",
+        "reserved",
+        "allocated",
+        "fwd+bwd reserved",
+        "exposed s",
+        "transfer s",
     ]
-    for name, run in runs.items():
-        p, ref = run.performance, run.reference_performance
-        if p is None:
-            continue
-        lines.append(
-            f"{name:<19} {p.step_time_median_s:>9.4f} {p.step_time_p95_s:>8.4f} {p.step_time_median_s / ref.step_time_median_s:>9.2f} "
-            f"{cell(p.peak_reserved_bytes, ','):>15} {cell(p.peak_allocated_bytes, ','):>15} "
-            f"{cell(p.forward_backward_reserved_bytes, ','):>17} {cell(p.exposed_transfer_time_s, '.4f'):>10} "
-            f"{cell(p.transfer_time_s, '.4f'):>11}"
-        )
-    return "\n".join(lines)
+    rows = [
+        [
+            name,
+            f"{run.performance.step_time_median_s:.4f}",
+            f"{run.performance.step_time_p95_s:.4f}",
+            f"{run.performance.step_time_median_s / run.reference_performance.step_time_median_s:.2f}",
+            cell(run.performance.peak_reserved_bytes, ","),
+            cell(run.performance.peak_allocated_bytes, ","),
+            cell(run.performance.forward_backward_reserved_bytes, ","),
+            cell(run.performance.exposed_transfer_time_s, ".4f"),
+            cell(run.performance.transfer_time_s, ".4f"),
+        ]
+        for name, run in runs.items()
+        if run.performance is not None
+    ]
+    return format_table(header, rows)
 
 
 def saved_outside_layers(book: ledger.Ledger, tick: str) -> dict[str, int]:

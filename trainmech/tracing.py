@@ -332,7 +332,7 @@ class GradWatch:
 
 
 def _from_weights(
-    cand: Candidate,
+    candidate: Candidate,
     state,
     window,
     weights: dict[str, torch.Tensor],
@@ -352,7 +352,7 @@ def _from_weights(
             p.copy_(weights[n])
     watch.forget()
     with steps_undone():
-        loss = cand.backward(state, window)
+        loss = candidate.backward(state, window)
         grads = watch.grads(params, state)
     with torch.no_grad():
         for n, p in params.items():
@@ -374,16 +374,16 @@ def _handed(window: list[dict], injected: bool) -> str:
     )
 
 
-def _begin(cand: Candidate, gw: GateWorkload, seed: int) -> Trace:
+def _begin(candidate: Candidate, workload: GateWorkload, seed: int) -> Trace:
     """A new trace from the initial weights: their held-out loss and (FP16) the calibrated loss scale, found from
     the run's own seed (the calibration's backwards draw the dropout masks too: seeded, the start scale does not
     depend on what ran before, and a rerun like for like starts where the first run did)."""
-    trace = Trace(cand.name)
-    gw.model.load_state_dict(gw.initial)
-    trace.held_out_before = held_out_loss(gw.model, gw.held_out)
+    trace = Trace(candidate.name)
+    workload.model.load_state_dict(workload.initial)
+    trace.held_out_before = held_out_loss(workload.model, workload.held_out)
     torch.manual_seed(seed)
     try:
-        trace.loss_scale, trace.scale_halvings = calibrated_scale(cand, gw)
+        trace.loss_scale, trace.scale_halvings = calibrated_scale(candidate, workload)
     except Exception:  # the candidate's own failure: the traced attempts meet it again and keep it
         trace.loss_scale, trace.scale_halvings = None, 0
     return trace
@@ -394,8 +394,8 @@ class _Run:
     """One `run_trace` in progress: the trace it fills and what its attempts share."""
 
     trace: Trace
-    cand: Candidate
-    gw: GateWorkload
+    candidate: Candidate
+    workload: GateWorkload
     state: object  # candidates.TrainState
     inputs: InputLog
     steps: StepLog
@@ -405,13 +405,13 @@ class _Run:
 
     @property
     def params(self) -> dict[str, torch.nn.Parameter]:
-        return dict(self.gw.model.named_parameters())
+        return dict(self.workload.model.named_parameters())
 
     def start(self, attempt: int, window: list[dict], keep_weights: bool) -> None:
         """What an attempt starts from: the window handed out, the RNG state, the learning rate (and the weights)."""
         self.inputs.windows.append([])
-        self.trace.handed.append(_handed(window, attempt in self.gw.inject_at))
-        self.trace.rng.append(_rng_digest(self.gw.device))
+        self.trace.handed.append(_handed(window, attempt in self.workload.inject_at))
+        self.trace.rng.append(_rng_digest(self.workload.device))
         self.trace.attempt_lrs.append(self.state.optimizer.param_groups[0]["lr"])
         if keep_weights:
             self.trace.weights.append({n: p.detach().to("cpu", copy=True) for n, p in self.params.items()})
@@ -425,11 +425,11 @@ class _Run:
         if forced:
             self.inputs.paused = True  # a second pass over the same window: not another input
             try:
-                judged = _from_weights(self.cand, self.state, window, weights, params, self.watch)
+                judged = _from_weights(self.candidate, self.state, window, weights, params, self.watch)
             finally:
                 self.inputs.paused = False
         self.watch.forget()
-        own = self.cand.backward(self.state, window)
+        own = self.candidate.backward(self.state, window)
         return judged if forced else (float(own), self.watch.grads(params, self.state))
 
     def rescaled_backward(
@@ -441,7 +441,7 @@ class _Run:
         that zeroes it) — at scale / 2, / 4, … while the scale stays ≥ 1, up to the first whose gradients are
         finite: (that scale, its unscaled gradients), else (the last scale tried, non-finite ones). An overflow of the
         scaled backward fits at a lower scale; a NaN or inf a bug puts into the backward stays at every one."""
-        params, device = self.params, self.gw.device
+        params, device = self.params, self.workload.device
         weights = (
             self.teacher.weights[attempt]
             if self.teacher is not None and self.teacher.weights
@@ -456,7 +456,7 @@ class _Run:
                     self.state, scaler=amp.grad_scaler(device, self.state.precision, init_scale=scale)
                 )
                 _set_rng_states(device, rng)
-                _, grads = _from_weights(self.cand, probe, window, weights, params, self.watch)
+                _, grads = _from_weights(self.candidate, probe, window, weights, params, self.watch)
                 if all_finite(grads.values()):
                     break
         finally:
@@ -469,11 +469,11 @@ class _Run:
         step on finite loss and non-finite gradients, the same pass at lower scales (`rescaled_backward`). False
         when the candidate raised: its failure is evidence, kept in `trace.error`, not a crash of the pipeline."""
         trace, stage, before = self.trace, "backward", self.steps.steps
-        rng = _rng_states(self.gw.device)
+        rng = _rng_states(self.workload.device)
         try:
             with (
-                _nan_logits(self.gw.model, attempt in self.gw.inject_at),
-                linear_dtypes(self.gw.model) as dtypes,
+                _nan_logits(self.workload.model, attempt in self.workload.inject_at),
+                linear_dtypes(self.workload.model) as dtypes,
             ):
                 loss, grads = self.judged_backward(attempt, window)
             trace.losses.append(loss)
@@ -483,13 +483,13 @@ class _Run:
                 trace.linear_dtypes = {name: sorted(d) for name, d in dtypes.items()}
                 trace.dtypes = sorted(set().union(*dtypes.values()))
             stage, scale = "update", _scale(self.state)
-            self.cand.update(self.state)
+            self.candidate.update(self.state)
             backoff = self.state.scaler.is_enabled() and _scale(self.state) < scale
             stage = "backward"  # again, at a lower loss scale
             if (
                 backoff
                 and self.keep_grads
-                and attempt not in self.gw.inject_at
+                and attempt not in self.workload.inject_at
                 and math.isfinite(loss)
                 and not all_finite(grads.values())
             ):
@@ -510,12 +510,12 @@ class _Run:
         trace.optimizer_steps = int(counts[0]) if counts else 0
         trace.scheduler_steps = state.scheduler.last_epoch
         if trace.error is None:
-            trace.held_out_loss = held_out_loss(self.gw.model, self.gw.held_out)
+            trace.held_out_loss = held_out_loss(self.workload.model, self.workload.held_out)
 
 
 def run_trace(
-    cand: Candidate,
-    gw: GateWorkload,
+    candidate: Candidate,
+    workload: GateWorkload,
     *,
     seed: int | None = None,
     teacher: Trace | None = None,
@@ -538,17 +538,17 @@ def run_trace(
     the backward (an optimizer in the backward) is judged by the gradient it accumulated (`GradWatch`, registered
     before the candidate's optimizer exists, so its hooks run first); a second pass over a window puts back any
     optimizer state its backward stepped (`steps_undone`)."""
-    seed = gw.seed if seed is None else seed
-    with gw.running():
-        trace = _begin(cand, gw, seed)
-        watch = GradWatch(dict(gw.model.named_parameters()))
+    seed = workload.seed if seed is None else seed
+    with workload.running():
+        trace = _begin(candidate, workload, seed)
+        watch = GradWatch(dict(workload.model.named_parameters()))
         try:
             torch.manual_seed(seed)
-            state = gw.fresh_state(cand, init_scale=trace.loss_scale)
+            state = workload.fresh_state(candidate, init_scale=trace.loss_scale)
             try:
-                with watch_inputs(gw.model) as inputs, watch_steps(state.optimizer) as steps:
-                    run = _Run(trace, cand, gw, state, inputs, steps, teacher, watch, keep_grads)
-                    for attempt, window in enumerate(gw.windows):
+                with watch_inputs(workload.model) as inputs, watch_steps(state.optimizer) as steps:
+                    run = _Run(trace, candidate, workload, state, inputs, steps, teacher, watch, keep_grads)
+                    for attempt, window in enumerate(workload.windows):
                         run.start(attempt, window, keep_weights)
                         if not run.attempt(attempt, window):
                             break

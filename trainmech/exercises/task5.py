@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from trainmech.checks import dtype_name
 from trainmech.exercises.harness import (
@@ -18,24 +19,28 @@ from trainmech.exercises.harness import (
     _Wrong,
 )
 
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
+
 
 def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _tensors_in(obj, depth: int = 0) -> list[torch.Tensor]:
-    """Tensors reachable from a packed value (tuples, lists, dicts, plain objects; a few levels)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if depth > 3:
-        return []
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        obj = list(vars(obj).values())
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors_in(item, depth + 1)]
-    return []
+def _tensors_in(packed, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors reachable from a learner's packed value.
+
+    Not `saved_state.flat_tensors` alone: its pytree walk covers tuples, lists and dicts, but a pack hook
+    may also return a plain object (a small class or a dataclass holding the tensor), which pytree
+    keeps as one opaque leaf; such an object would hide an alias of `t` and be counted as moved. So
+    the nest is walked with pytree and each plain object's attributes with it in turn (a few levels).
+    """
+    found = []
+    for leaf in tree_leaves(packed):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif depth < 3 and hasattr(leaf, "__dict__") and not isinstance(leaf, type):
+            found += _tensors_in(vars(leaf), depth + 1)
+    return found
 
 
 def _offload_model():
@@ -103,18 +108,18 @@ def _task5_offload(run: _Run) -> None:
         return (t.detach().clone(), t.stride()), packed  # a private copy to compare the unpacked tensor with
 
     def unpack_watch(value):
-        (ref, stride), packed = value
+        (original, stride), packed = value
         t = unpack(packed)
         stats["unpacked"] += 1
         if not isinstance(t, torch.Tensor):
             stats["differ"].append(f"返回了 {type(t).__name__}")
-        elif t.dtype != ref.dtype or t.shape != ref.shape:
+        elif t.dtype != original.dtype or t.shape != original.shape:
             stats["differ"].append(
-                f"{tuple(ref.shape)} {dtype_name(ref.dtype)} 取回成了 {tuple(t.shape)} {dtype_name(t.dtype)}"
+                f"{tuple(original.shape)} {dtype_name(original.dtype)} 取回成了 {tuple(t.shape)} {dtype_name(t.dtype)}"
             )
-        elif not torch.equal(t, ref):
+        elif not torch.equal(t, original):
             stats["differ"].append(
-                f"{tuple(ref.shape)} 的数值变了（max|Δ|={(t.double() - ref.double()).abs().max().item():.1e}）"
+                f"{tuple(original.shape)} 的数值变了（max|Δ|={(t.double() - original.double()).abs().max().item():.1e}）"
             )
         return t
 

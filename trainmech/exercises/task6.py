@@ -8,6 +8,8 @@ import torch
 
 from trainmech.exercises.harness import _exercise, _Run, _tiny_model, _tuple, _Wrong
 
+__all__: list[str] = []  # nothing to import: the checks register into EXERCISES
+
 _GATE_TRACES: dict[str, object] = {}
 
 
@@ -19,7 +21,7 @@ def _gate_traces():
 
     # check() forks the RNG around this: building the model and running traces re-seed it
     model = _tiny_model()
-    gw = candidates.gate_workload(
+    gate_workload = candidates.gate_workload(
         model,
         rows=4,
         seq=16,
@@ -68,65 +70,70 @@ def _gate_traces():
             "fp32-step-without-guard", "TRAIN-AMP-BACKWARD", update=step_without_guard
         ),
     }
-    for key, cand in runs.items():
-        _GATE_TRACES[key] = tracing.run_trace(cand, gw)
-    _GATE_TRACES["expected_lrs"] = [gw.expected_lr(k) for k in range(len(_GATE_TRACES["reference"].stepped))]
+    for key, candidate in runs.items():
+        _GATE_TRACES[key] = tracing.run_trace(candidate, gate_workload)
+    _GATE_TRACES["expected_lrs"] = [
+        gate_workload.expected_lr(k) for k in range(len(_GATE_TRACES["reference"].stepped))
+    ]
     return _GATE_TRACES
 
 
 def _synthetic_grads():
     gen = torch.Generator().manual_seed(7)
-    ref = {
+    reference = {
         "big": torch.randn(4, 5, generator=gen),
         "small": 1e-7 * torch.randn(6, generator=gen),
         "mid": 0.1 * torch.randn(3, 3, generator=gen),
     }
-    noise = {n: 1e-8 * torch.randn(g.shape, generator=gen) for n, g in ref.items()}
-    return ref, noise
+    noise = {n: 1e-8 * torch.randn(g.shape, generator=gen) for n, g in reference.items()}
+    return reference, noise
 
 
 @_exercise("task6.gradient_gate", "梯度门：逐参数的相对误差与容限")
 def _task6_gradient_gate(run: _Run) -> None:
     from trainmech import gates
 
-    ref, noise = _synthetic_grads()
-    nan = {n: g.clone() for n, g in ref.items()}
+    reference, noise = _synthetic_grads()
+    nan = {n: g.clone() for n, g in reference.items()}
     nan["mid"][1, 1] = float("nan")
     synthetic = [
         (
             "合成 1：每个参数都只差约 1e-8 的噪声（“small” 的梯度约 1e-7，低于全局尺度的千分之一）",
-            ref,
-            {n: g + noise[n] for n, g in ref.items()},
+            reference,
+            {n: g + noise[n] for n, g in reference.items()},
             1e-4,
             True,
         ),
         (
             "合成 2：“mid” 整体放大 1.01 倍",
-            ref,
-            {n: g * (1.01 if n == "mid" else 1.0) for n, g in ref.items()},
+            reference,
+            {n: g * (1.01 if n == "mid" else 1.0) for n, g in reference.items()},
             1e-4,
             False,
         ),
         (
             "合成 3：候选缺了参数 “small” 的梯度",
-            ref,
-            {n: g for n, g in ref.items() if n != "small"},
+            reference,
+            {n: g for n, g in reference.items() if n != "small"},
             1e-4,
             False,
         ),
-        ("合成 4：候选的 “mid” 含一个 NaN", ref, nan, 1e-4, False),
+        ("合成 4：候选的 “mid” 含一个 NaN", reference, nan, 1e-4, False),
     ]
 
-    def judge(where, r, cnd, rtol, want):
+    def judge(where, reference, candidate, rtol, want):
         out = _tuple(
             where,
             run.call(
-                where, {n: g.clone() for n, g in r.items()}, {n: g.clone() for n, g in cnd.items()}, rtol
+                where,
+                {n: g.clone() for n, g in reference.items()},
+                {n: g.clone() for n, g in candidate.items()},
+                rtol,
             ),
             ("passed", "errors"),
         )
         passed, errors = out
-        expected = gates.gradient_errors(r, cnd)
+        expected = gates.gradient_errors(reference, candidate)
         if not isinstance(errors, dict) or set(errors) != set(expected):
             raise _Wrong(
                 f"✗ {where}：errors 应是每个参考参数一项的字典（{sorted(expected)}），你返回了 "
@@ -141,21 +148,22 @@ def _task6_gradient_gate(run: _Run) -> None:
             )
             if not same:
                 scale_own = (
-                    (cnd[n].double() - r[n].double()).abs().max().item() / r[n].double().abs().max().item()
-                    if n in cnd
+                    (candidate[n].double() - reference[n].double()).abs().max().item()
+                    / reference[n].double().abs().max().item()
+                    if n in candidate
                     else None
                 )
-                top = max(float(g.abs().max()) for g in r.values())
+                top = max(float(g.abs().max()) for g in reference.values())
                 lines = [f"✗ {where}：参数 {n} 的误差 e_p 是 {got:.3e}，门槛公式给出 {e:.3e}"]
-                if n not in cnd:
+                if n not in candidate:
                     lines.append("    候选缺了这个参数的梯度：它的误差应当是 inf，门必须不通过")
                 elif scale_own is not None and abs(got - scale_own) <= 1e-6 * max(scale_own, 1e-30):
                     lines.append(
                         f"    你除以了这个参数自己的最大梯度，没有下限：它的梯度尺度只有全局最大值的 "
-                        f"{float(r[n].abs().max()) / top:.0e}，要改用 1e-3 × 全局最大梯度，免得两份舍入噪声相除"
+                        f"{float(reference[n].abs().max()) / top:.0e}，要改用 1e-3 × 全局最大梯度，免得两份舍入噪声相除"
                     )
-                elif n in cnd and abs(
-                    got - (cnd[n].double() - r[n].double()).abs().max().item()
+                elif n in candidate and abs(
+                    got - (candidate[n].double() - reference[n].double()).abs().max().item()
                 ) <= 1e-6 * max(abs(got), 1e-30):
                     lines.append("    你用的是绝对误差 max|Δ|，没有除以梯度尺度")
                 raise _Wrong(lines, f"{n} 的 e_p {got:.2e} ≠ {e:.2e}")
@@ -172,8 +180,8 @@ def _task6_gradient_gate(run: _Run) -> None:
             )
         run.ok(f"{where}：{'通过' if want else '不通过'}，e_p 与 gates.gradient_errors 一致")
 
-    for where, r, cnd, rtol, want in synthetic:
-        judge(where, r, cnd, rtol, want)
+    for where, reference, candidate, rtol, want in synthetic:
+        judge(where, reference, candidate, rtol, want)
     traces = _gate_traces()
     ref_trace = traces["reference"]
     judge(
@@ -202,9 +210,9 @@ def _trace(**fields):
 def _task6_update_gate(run: _Run) -> None:
     lrs = [1e-3 * m for m in (0.1, 1.0, 1.0, 0.55, 0.1)]  # the clock's lr of effective updates 0..4
     skip = [True, True, False, True, True, True]  # attempt 2 skipped: 5 effective updates
-    ref = _trace(stepped=skip, finite=[True] * 6, lrs=lrs, optimizer_steps=5, scheduler_steps=5)
+    reference = _trace(stepped=skip, finite=[True] * 6, lrs=lrs, optimizer_steps=5, scheduler_steps=5)
     synthetic = [
-        ("合成 1：与参照完全相同的正确候选", ref, True),
+        ("合成 1：与参照完全相同的正确候选", reference, True),
         (
             "合成 2：跳步也推进调度器（调度器 6 次，第 2 次跳步后学习率超前一步）",
             _trace(
@@ -268,8 +276,8 @@ def _task6_update_gate(run: _Run) -> None:
         ),
     ]
 
-    def judge(where, r, cand, expected_lrs, want):
-        out = _tuple(where, run.call(where, r, cand, list(expected_lrs)), ("passed", "message"))
+    def judge(where, reference, candidate, expected_lrs, want):
+        out = _tuple(where, run.call(where, reference, candidate, list(expected_lrs)), ("passed", "message"))
         passed, message = out
         if not isinstance(message, str) or not message.strip():
             raise _Wrong(f"✗ {where}：message 应是一句说明（拦下时说出证据），你返回了 {message!r}")
@@ -281,8 +289,8 @@ def _task6_update_gate(run: _Run) -> None:
             )
         run.ok(f"{where}：{'通过' if want else '拦下'}（“{message.strip()[:60]}”）")
 
-    for where, cand, want in synthetic:
-        judge(where, ref, cand, lrs, want)
+    for where, candidate, want in synthetic:
+        judge(where, reference, candidate, lrs, want)
     traces = _gate_traces()
     real = [
         ("真实运行：参照自己", "reference", True),

@@ -171,7 +171,7 @@ def check_save_on_cpu(probe: Probe) -> str:
 def check_gates(probe: Probe) -> str:
     from trainmech import candidates, gate_report, gates, performance
 
-    gw = candidates.gate_workload(
+    workload = candidates.gate_workload(
         probe.model(),
         rows=4,
         seq=probe.seq,
@@ -181,10 +181,10 @@ def check_gates(probe: Probe) -> str:
         decay_updates=1,
         dropout=0.1,
     )
-    reference = gates.make_reference(gw)
+    reference = gates.make_reference(workload)
     report = gate_report.judge(
         candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing),
-        gw,
+        workload,
         reference,
         warmup=1,
         repeats=2,
@@ -225,7 +225,7 @@ def check_gates(probe: Probe) -> str:
             all(e == 0 for e in worst), f"a CPU replays bitwise, yet the worst errors per window are {worst}"
         )
         forced, _ = performance.remeasure(
-            report.candidate, reference.candidate, gw, warmup=1, repeats=1, allocator="cpu-profiler"
+            report.candidate, reference.candidate, workload, warmup=1, repeats=1, allocator="cpu-profiler"
         )
         ratio = forced.peak_allocated_bytes / forced.tracked_peak_bytes
         require(
@@ -244,21 +244,21 @@ def check_strategy_records(probe: Probe) -> str:
 
     model = probe.model()
     batch = probe.lm_batch()
-    gw = candidates.fixed_batch_workload(model, batch, updates=2)
+    workload = candidates.fixed_batch_workload(model, batch, updates=2)
     baseline = candidates.Candidate("baseline", "TRAIN-CHECKPOINT")
-    base = tracing.run_trace(baseline, gw, keep_weights=True)
-    cand = candidates.candidate("hf-checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing)
-    trace = tracing.run_trace(cand, gw, teacher=base)
+    base = tracing.run_trace(baseline, workload, keep_weights=True)
+    candidate = candidates.candidate("hf-checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing)
+    trace = tracing.run_trace(candidate, workload, teacher=base)
     run = strategy_records.StrategyRun(
         "hf-checkpoint", "TRAIN-CHECKPOINT", 2, trace, gates.gradients_gate(base, trace, "float32")
     )
     require(run.verdict.passed, run.verdict.message)
     run.performance, run.reference_performance = performance.remeasure(
-        cand, baseline, gw, warmup=1, repeats=2
+        candidate, baseline, workload, warmup=1, repeats=2
     )
     fields = run.record_fields("gpu-check")
-    state = gw.fresh_state(baseline)
-    baseline.backward(state, gw.windows[0])
+    state = workload.fresh_state(baseline)
+    baseline.backward(state, workload.windows[0])
     baseline.update(state)
     books = {
         s: ledger.scenario_ledger(
