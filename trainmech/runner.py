@@ -398,7 +398,7 @@ def refresh_in_place(paths: list[Path], timeout: float = 1200.0) -> list[tuple[s
                     )
                 )
                 continue
-            nbformat.write(nb, path)
+            nbformat.write(execution.merge_streams(nb), path)  # the same stream chunks as a run's copy
             outcomes.append((path.stem, "ok", None))
     return outcomes
 
