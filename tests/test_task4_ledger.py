@@ -1128,6 +1128,35 @@ def test_a_tracker_for_one_device_keeps_the_others_storages_apart():
     }
 
 
+def test_bytes_per_param_holds_when_the_step_counters_live_on_another_device():
+    # the CUDA accounting path on a CPU: file AdamW's step counters as elsewhere (where a CUDA run's
+    # foreach / loop AdamW keeps them, on the host), out of the device count, and count again
+    (point,) = ledger.measure_point("qwen2-tiny", 1, 16, steps=("first",))
+    step, shape = point.measured, point.predicted.shape
+    n_tensors = len(shape.parameter_tensors())
+    counters = [
+        a
+        for a in step.allocations
+        if step.category(a) == "optimizer_states" and a.nbytes == ledger.STEP_COUNTER_BYTES
+    ]
+    assert len(counters) == n_tensors  # one per parameter tensor: the CPU run keeps them with the moments
+    as_on_cuda = dataclasses.replace(
+        step,
+        allocations=[a for a in step.allocations if a not in counters],
+        elsewhere=[dataclasses.replace(a, device="cpu") for a in counters],
+        device="cuda",
+    )
+    assert as_on_cuda.elsewhere_at_end()["optimizer_states"] == ledger.STEP_COUNTER_BYTES * n_tensors
+    on_cpu = ledger.model_state_bytes_per_param(step, n_tensors, shape.n_params)
+    assert on_cpu == ledger.RECIPES["fp32"].model_state_bytes_per_param == 16
+    assert ledger.model_state_bytes_per_param(as_on_cuda, n_tensors, shape.n_params) == on_cpu
+    # the old accounting (counters subtracted from the device count alone) is what this guards against
+    device_only = (
+        as_on_cuda.by_category(len(step.live) - 1)["optimizer_states"] - ledger.STEP_COUNTER_BYTES * n_tensors
+    )
+    assert device_only < 2 * 4 * shape.n_params
+
+
 def test_a_cpu_step_has_nothing_elsewhere_and_records_that_it_stepped():
     first, steady = ledger.measure_point("qwen2-tiny", 1, 16)
     for c in (first, steady):
