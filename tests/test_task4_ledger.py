@@ -460,6 +460,32 @@ def test_attention_dropout_moves_the_cpu_to_the_math_kernel_and_keeps_its_mask()
         assert c.predicted_peak == c.measured_peak and not c.lifecycle_differences()
 
 
+@pytest.mark.parametrize("kwargs", [{"attention": "math"}, {"attention_dropout": 0.1}])
+def test_the_math_kernel_keeps_fp32_tensors_for_bf16_activations(kwargs):
+    # torch's math composite upcasts 16-bit q, k, v and computes in fp32: what it saves (q, kᵀ, v, the
+    # probabilities, and with dropout the mask and the dropped probabilities) is fp32; only the output
+    # o_proj reads is cast back. Forced math, and dropout (which moves the CPU to math), in bf16.
+    tiny = ledger.model_shape("qwen2-tiny")
+    for c in ledger.measure_point("qwen2-tiny", 2, 32, dtype="bf16", **kwargs):
+        assert c.kernel == "math"
+        rows = {t.name: t for t in c.predicted.layer_saved()}
+        fp32 = {n for n, t in rows.items() if n.startswith("self_attn.") and t.element_bytes == 4}
+        assert fp32 == {
+            "self_attn.q_scaled",
+            "self_attn.k_scaled_t",
+            "self_attn.v_repeated",
+            "self_attn.probs",
+        } | (
+            {"self_attn.dropout_mask", "self_attn.probs_dropped"} if "attention_dropout" in kwargs else set()
+        )
+        assert rows["self_attn.attn_out"].element_bytes == 2
+        assert set(c.measured.saved_added_per_layer(tiny.num_layers)) == {
+            sum(t.nbytes for t in rows.values())
+        }
+        assert c.predicted_peak == c.measured_peak, (c.step, c.predicted_peak, c.measured_peak)
+        assert c.predicted.peak_overlap().phase == c.measured.peak_phase
+
+
 @pytest.mark.parametrize("attention", ["flash", "math"])
 def test_a_padded_batch_is_predicted_byte_for_byte(attention):
     for c in ledger.measure_point("qwen2-tiny", 2, 32, padded=True, attention=attention):
@@ -1288,6 +1314,12 @@ def test_korthikanti_terms_are_read_off_the_rows_for_every_kernel(kernel, padded
     assert gpt + sum(terms.values()) == sum(t.nbytes for t in rows)
     repeated = padded or kernel == "math"
     assert (terms["grouped-query attention (K, V)"] == 0) == repeated
+    if kernel == "math" and not padded:  # formulas.md 4.8: fp32 probabilities, the fp32 half of q, kᵀ, v
+        s, b, h, a = 512, 2, big.hidden_size, big.num_heads
+        assert (
+            terms["SDPA kernel (kept beyond 16-bit q, k, v, out)"]
+            == 4 * a * s * s * b + 6 * s * b * h - 2 * a * s * s * b
+        )
     with pytest.raises(TrainmechError, match="16-bit"):
         ledger.korthikanti_differences(
             big, 2, 512, ledger.layer_saved(big, 2, 512, "fp32", kernel, device="cuda")
