@@ -1408,3 +1408,19 @@ def test_the_precision_sweep_is_precision_changes_over_a_grid_and_matches_within
         ledger.scenarios.matching_shapes(sweep, 0.0, -0.01)
     with pytest.raises(TrainmechError, match="at least one"):
         ledger.scenarios.precision_sweep("qwen2-tiny", (), (32,), dtype="autocast-fp16")
+
+
+def test_the_allocator_model_refuses_a_configuration_it_does_not_model():
+    # expandable segments and max_split_size_mb move the reserved peak; the replay models neither
+    book = ledger.training_state_lifecycle("qwen2-tiny", 1, 16, device="cuda", first_step=True)
+    plain = ledger.allocator.cuda_peaks(book)
+    assert ledger.allocator.cuda_peaks(book, alloc_conf="garbage_collection_threshold:0.6") == plain
+    for conf in (
+        "expandable_segments:True",
+        "max_split_size_mb:128",
+        "garbage_collection_threshold:0.6,expandable_segments:True",
+    ):
+        with pytest.raises(TrainmechError, match="allocator configuration") as caught:
+            ledger.allocator.cuda_peaks(book, alloc_conf=conf)
+        assert str(caught.value).count("\n") == 0
+    assert ledger.allocator.cuda_peaks(book, alloc_conf="expandable_segments:False") == plain

@@ -192,7 +192,7 @@ PACKAGE = [
     ),
     Branch(
         "distributed.torchrun",
-        ("rank_update._wrap", "distributed.main"),
+        ("rank_update._wrap", "distributed.main", "rank_update.CommCounter.__new__._Mode.__torch_dispatch__"),
         "trainmech.distributed under torchrun with NCCL: the model on the rank's GPU, DDP device_ids, a cuda DeviceMesh",
         check_distributed_torchrun,
         20,
@@ -242,6 +242,9 @@ NOTEBOOK_CELLS = {
     "Task3:resume-check": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
     "Task4:imports-setup": "ledger.CUDA_POINTS instead of the CPU points; SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer instead of byte for byte",
     "Task4:lifecycle-vs-measured": "lifecycles key by key within ledger.CUDA_LIFECYCLE_TOLERANCE instead of byte for byte",
+    "Task4:bytes-by-phase": "per-phase maxima within 5 % on CUDA (byte for byte on CPU)",
+    "Task4:peak-composition": "the peak's composition by category within 1 % of the peak on CUDA (byte for byte on CPU)",
+    "Task4:baseline-peaks": "the byte-for-byte claim over every point is CPU-only (CUDA: within 5 %, the count of exact points printed)",
     "Task4:cuda-allocator-peaks": "ledger.allocated_reserved on the GPU's own counters: the allocator model's allocated peak "
     "within 5 %, reserved beside it, the warm-up's cuBLAS workspaces measured and claimed > 0, the allocator history (CPU: the profiler's "
     "allocator against the tracked tensors)",
