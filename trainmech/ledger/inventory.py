@@ -223,8 +223,8 @@ def attention_saved(
     kernels also keep their RNG seed and offset (`rng_state_saved`, weighed on the GPU with weigh_rng).
     repeat_kv: K and V repeated to every head before SDPA (default: with a mask, as transformers does;
     True without one: a torch whose kernel refuses enable_gqa needs them repeated to run it).
-    dropout: the math composite drops out its probabilities (at::dropout: a scaled Bernoulli mask of the
-    probabilities' dtype, fp32 as above, kept by the multiply, and the dropped probabilities, kept by probs @ v), two more
+    dropout: the math composite drops out its probabilities (at::dropout: on the CPU a scaled Bernoulli mask
+    of the probabilities' dtype, fp32 as above, kept by the multiply; on CUDA native_dropout's bool mask, and the dropped probabilities, kept by probs @ v), two more
     s×s tensors; the fused kernels draw their mask inside and keep only their RNG state.
     """
     heads, kv_heads, d, act = shape.num_heads, shape.num_kv_heads, shape.head_dim, element_bytes
@@ -237,7 +237,11 @@ def attention_saved(
             SavedTensor("self_attn.probs", (b, heads, s, s), acc, "attention"),  # the s² term
             *(
                 [
-                    SavedTensor("self_attn.dropout_mask", (b, heads, s, s), acc, "mlp"),
+                    # CUDA: at::dropout runs the fused native_dropout, whose mask is bool (Dropout.cpp,
+                    # is_fused_kernel_acceptable); the CPU multiplies by a mask of the probabilities' dtype
+                    SavedTensor(
+                        "self_attn.dropout_mask", (b, heads, s, s), 1 if device == "cuda" else acc, "mlp"
+                    ),
                     SavedTensor("self_attn.probs_dropped", (b, heads, s, s), acc, "mlp"),
                 ]
                 if dropout
