@@ -109,6 +109,7 @@ PACKAGE = [
             "ledger.inventory.attention_kernel",
             "ledger.inventory.rng_state_saved",
             "ledger.inventory._rng_outputs",
+            "ledger.inventory.attention_saved",
             "ledger.states._state_bytes_per_tensor",
             "ledger.book.training_state_lifecycle",
             "ledger.compare.measure_point",
@@ -120,7 +121,8 @@ PACKAGE = [
         "its rule, math for fp32 GQA and efficient when padded, is held to the dispatched kernel on every device); the RNG seed and offset weighed "
         "by running the fused op on the GPU; foreach AdamW temporaries and AdamW's step counters on the host on CUDA; "
         "the warm-up's cuBLAS workspaces; lifecycles key by key within CUDA_LIFECYCLE_TOLERANCE; the allocator model's "
-        "peaks beside the allocator's own",
+        "peaks beside the allocator's own; bf16 forced math with and without dropout (fp32 upcasts, the bool dropout mask) "
+        "against the math inventory",
         check_ledger_on_device,
         8,
     ),
