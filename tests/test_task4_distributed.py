@@ -1,6 +1,7 @@
 """Task4 · 8: ZeRO's stages run by PyTorch's engines over gloo, per rank, against the ledger's per-rank projection;
 the launcher's refusals and its failure handling (no process outlives a failed run)."""
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -90,6 +91,26 @@ def test_the_update_equals_one_process(reports):
     for r in reports:
         mean_loss.setdefault((r.stage, r.world_size), []).append(r.loss)
     assert all(abs(sum(v) / len(v) - loss) <= 1e-6 * loss for v in mean_loss.values())
+
+
+def test_skipped_and_effective_updates_are_counted_from_each_ranks_step_counts(reports):
+    n = len(ledger.model_shape("qwen2-tiny").parameter_tensors())
+    groups = {}
+    for r in reports:
+        groups.setdefault((r.stage, r.world_size), []).append(r)
+    for (stage, size), ranks in groups.items():
+        counts = [len(r.step_counts) for r in ranks]
+        assert sum(counts) == n if stage == 1 else counts == [n] * size, (stage, size, counts)
+        assert distributed.update_counts(ranks, n, True) == {"skipped_updates": 0, "effective_updates": 1}
+        assert distributed.update_counts(ranks, n, False) == {"skipped_updates": 0, "effective_updates": 0}
+        # one rank whose optimizer did not step (a skipped step: its counts stay 0), or lost a tensor's state
+        unstepped = [dataclasses.replace(ranks[-1], step_counts=[0] * len(ranks[-1].step_counts))]
+        lost = [dataclasses.replace(ranks[-1], step_counts=ranks[-1].step_counts[1:])]
+        for broken in (unstepped, lost):
+            assert distributed.update_counts(ranks[:-1] + broken, n, True) == {
+                "skipped_updates": 1,
+                "effective_updates": 0,
+            }, (stage, size)
 
 
 def test_pytorchs_comm_debug_mode_counts_the_same_collectives():

@@ -19,6 +19,7 @@ __all__ = [
     "torch_isfinite",
     "agreement",
     "torch_equal",
+    "update_counts",
     "write_records",
 ]
 
@@ -62,8 +63,9 @@ def per_rank_table(
     from trainmech.ledger import zero
 
     lines = [
+        "held bytes: params and opt states after optimizer.step(); grads when it starts (zero_grad frees them after)",
         f"{'N':>2} {'stage':>5} {'rank':>4} {'params':>9} {'grads':>9} {'opt states':>10} {'peak measured':>14} "
-        f"{'predicted':>10} {'error':>7}  peak phase (measured / predicted)"
+        f"{'predicted':>10} {'error':>7}  peak phase (measured / predicted)",
     ]
     worst, exact = 0.0, True
     for r in reports:
@@ -142,6 +144,21 @@ def torch_equal(a, b) -> bool:
     return bool(torch.equal(a, b))
 
 
+def update_counts(ranks: list[RankReport], n_tensors: int, all_finite: bool | None) -> dict[str, int]:
+    """skipped_updates / effective_updates of one sharded update, counted from each rank's AdamW step counts.
+
+    The update ran when every parameter tensor was stepped exactly once by the rank(s) holding its state:
+    every rank for DDP and FSDP2 (each holds a state for each tensor, its shard), exactly one rank for
+    ZeroRedundancyOptimizer (its optimizer sees only its own tensors), so the counts together cover
+    `n_tensors` tensors that many times. Effective: it ran and everything was finite.
+    """
+    counts = [c for r in ranks for c in r.step_counts]
+    per_rank = {len(r.step_counts) for r in ranks}
+    covered = per_rank == {n_tensors} or len(counts) == n_tensors  # DDP / FSDP2, or ZeRO-1's partition
+    ran = covered and all(c == 1 for c in counts)
+    return {"skipped_updates": int(not ran), "effective_updates": int(ran and bool(all_finite))}
+
+
 def write_records(
     session,
     reports: list[RankReport],
@@ -155,6 +172,7 @@ def write_records(
     from trainmech import profiles, workload
 
     built = workload.build_model(profiles.for_mode("cpu").model(model), seed=0)
+    n_tensors = len(list(built.model.parameters()))
     out = []
     for r in (r for r in reports if r.rank == 0):
         key, peak = (r.stage, r.world_size), books[(r.stage, r.world_size, 0)].peak_overlap()
@@ -176,8 +194,7 @@ def write_records(
                 correctness={
                     "grad_max_abs_error": agreed[key]["grad_abs"],
                     "all_finite": agreed[key]["all_finite"],
-                    "skipped_updates": 0,  # every worker runs optimizer.step(): no update is skipped
-                    "effective_updates": int(bool(agreed[key]["all_finite"])),  # applied, and finite
+                    **update_counts(ranks, n_tensors, agreed[key]["all_finite"]),
                 },
                 conclusion={
                     "evidence_level": "cpu-mechanism",

@@ -75,6 +75,9 @@ class RankReport:
     params: dict[str, Any] | None = field(
         default=None, repr=False
     )  # rank 0: full parameters after the update
+    step_counts: list[int] = field(
+        default_factory=list
+    )  # AdamW's state["step"] of each tensor this rank steps
 
 
 def _local(t):
@@ -101,6 +104,12 @@ def _state_tensors(optimizer) -> list:
         optimizer, "optim", optimizer
     )  # ZeroRedundancyOptimizer keeps its shard's optimizer in .optim
     return [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
+def _step_counts(optimizer) -> list[int]:
+    """AdamW's step count of every parameter tensor this rank's optimizer holds state for (its shard)."""
+    inner = getattr(optimizer, "optim", optimizer)
+    return [int(state["step"]) for state in inner.state.values() if "step" in state]
 
 
 def _wrap(model, stage: int, group, device):
@@ -248,6 +257,7 @@ def one_update(
         time.perf_counter() - t0,
         _assembled([p[0] for p in parts], sharded) if rank == 0 else None,
         _assembled([p[1] for p in parts], sharded) if rank == 0 else None,
+        _step_counts(optimizer),
     )
 
 

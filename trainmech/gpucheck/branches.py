@@ -109,6 +109,7 @@ PACKAGE = [
             "ledger.inventory.attention_kernel",
             "ledger.inventory.rng_state_saved",
             "ledger.inventory._rng_outputs",
+            "ledger.inventory.attention_saved",
             "ledger.states._state_bytes_per_tensor",
             "ledger.book.training_state_lifecycle",
             "ledger.compare.measure_point",
@@ -120,7 +121,8 @@ PACKAGE = [
         "its rule, math for fp32 GQA and efficient when padded, is held to the dispatched kernel on every device); the RNG seed and offset weighed "
         "by running the fused op on the GPU; foreach AdamW temporaries and AdamW's step counters on the host on CUDA; "
         "the warm-up's cuBLAS workspaces; lifecycles key by key within CUDA_LIFECYCLE_TOLERANCE; the allocator model's "
-        "peaks beside the allocator's own",
+        "peaks beside the allocator's own; bf16 forced math with and without dropout (fp32 upcasts, the bool dropout mask) "
+        "against the math inventory",
         check_ledger_on_device,
         8,
     ),
@@ -192,7 +194,7 @@ PACKAGE = [
     ),
     Branch(
         "distributed.torchrun",
-        ("rank_update._wrap", "distributed.main"),
+        ("rank_update._wrap", "distributed.main", "rank_update.CommCounter.__new__._Mode.__torch_dispatch__"),
         "trainmech.distributed under torchrun with NCCL: the model on the rank's GPU, DDP device_ids, a cuda DeviceMesh",
         check_distributed_torchrun,
         20,
@@ -245,6 +247,9 @@ NOTEBOOK_CELLS = {
     "Task3:resume-check": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
     "Task4:imports-setup": "ledger.CUDA_POINTS instead of the CPU points; SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer instead of byte for byte",
     "Task4:lifecycle-vs-measured": "lifecycles key by key within ledger.CUDA_LIFECYCLE_TOLERANCE instead of byte for byte",
+    "Task4:bytes-by-phase": "per-phase maxima within 5 % on CUDA (byte for byte on CPU)",
+    "Task4:peak-composition": "the peak's composition by category within 1 % of the peak on CUDA (byte for byte on CPU)",
+    "Task4:baseline-peaks": "the byte-for-byte claim over every point is CPU-only (CUDA: within 5 %, the count of exact points printed)",
     "Task4:cuda-allocator-peaks": "ledger.allocated_reserved on the GPU's own counters: the allocator model's allocated peak "
     "within 5 %, reserved beside it, the warm-up's cuBLAS workspaces measured and claimed > 0, the allocator history (CPU: the profiler's "
     "allocator against the tracked tensors)",

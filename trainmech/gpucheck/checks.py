@@ -247,6 +247,33 @@ def check_ledger_on_device(probe: Probe) -> str:
         f"bf16 saved bytes per layer {added} vs the {bf16.kernel} inventory's {inventory:,} "
         f"(RNG state rows: {rng or 'none'})",
     )
+    # SDPA's math composite in bf16, forced, without and with dropout: fp32 q, k, v and probabilities
+    # (it upcasts), and the dropout mask (bool on CUDA, fp32 on the CPU), against the ledger's inventory
+    math_rows = []
+    for extra in ({}, {"attention_dropout": 0.1}):
+        (forced,) = ledger.measure_point(
+            probe.model_name,
+            probe.batch,
+            probe.seq,
+            run_mode=probe.mode,
+            seed=0,
+            dtype="bf16",
+            attention="math",
+            steps=("first",),
+            **extra,
+        )
+        inventory_math = sum(t.nbytes for t in forced.predicted.layer_saved())
+        added_math = forced.measured.saved_added_per_layer(forced.predicted.shape.num_layers)
+        require(
+            forced.kernel == "math"
+            and all(
+                abs(x - inventory_math) <= (ledger.CUDA_SLACK_BYTES_PER_LAYER if probe.cuda else 0)
+                for x in added_math
+            ),
+            f"bf16 forced math{' with dropout' if extra else ''}: the {forced.kernel} kernel ran, saved bytes per "
+            f"layer {added_math} vs the math inventory's {inventory_math:,}",
+        )
+        math_rows.append(inventory_math)
     measured = (
         (first, steady)
         if probe.cuda
@@ -294,7 +321,8 @@ def check_ledger_on_device(probe: Probe) -> str:
         )
     return (
         f"kernels {kernels[0]} / {kernels[1]} (padded) dispatched and predicted with; foreach={probe.cuda}; {errors}; "
-        f"bf16 saved per layer as the {bf16.kernel} inventory (RNG state rows: {rng or 'none'}){gpu}"
+        f"bf16 saved per layer as the {bf16.kernel} inventory (RNG state rows: {rng or 'none'}), and as the math "
+        f"inventory forced ({math_rows[0]:,} B, with dropout {math_rows[1]:,} B){gpu}"
     )
 
 

@@ -39,6 +39,7 @@ from trainmech.ledger.compare import (
     clear_blas_workspaces,
     measure_point,
     measured_bytes_per_param,
+    model_state_bytes_per_param,
     padded_batch,
 )
 from trainmech.ledger.formulas import (
@@ -107,6 +108,7 @@ __all__ = [
     "measure_point",
     "record_fields",
     "measured_bytes_per_param",
+    "model_state_bytes_per_param",
     "padded_batch",
     "deepspeed_zero2_gpu_bytes",
     "deepspeed_zero3_gpu_bytes",

@@ -12,7 +12,8 @@ The ledger counts tensor bytes. On a GPU three more things take memory:
    both peaks; `cuda_peaks(book)` replays a first and a steady update. The replay is an
    approximation: within a tick every birth comes before every release, a state is its tensors (a
    lump such as the parameters, one tensor per parameter tensor; a few known groups, such as SDPA's
-   four input gradients, split too) allocated together, and expandable_segments is not modelled.
+   four input gradients, split too) allocated together; expandable_segments and max_split_size_mb
+   are not modelled, and a measured step run with either is refused (`check_alloc_conf`).
 2. cuBLAS and cuBLASLt workspaces, allocated through the same allocator on a handle's first matmul on
    a stream and kept (the backward's device thread has its own handle): inside allocated, outside
    every tensor state. Their size depends on the torch version and on CUBLAS_WORKSPACE_CONFIG,
@@ -32,6 +33,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainmech.errors import TrainmechError
 from trainmech.ledger.clock import AFTER, BEFORE
 from trainmech.ledger.recipes import STEP_COUNTER_BYTES
 
@@ -48,6 +50,7 @@ __all__ = [
     "replay",
     "CudaPeaks",
     "cuda_peaks",
+    "check_alloc_conf",
     "GPU_CHECK_REPORT",
     "CudaContext",
     "cuda_context",
@@ -218,9 +221,31 @@ class CudaPeaks:
     reserved_peak: int  # segments, as max_memory_reserved counts them
 
 
-def cuda_peaks(first_book, steady_book=None) -> CudaPeaks:
+UNMODELLED_ALLOC_CONF = (
+    "expandable_segments:true",
+    "max_split_size_mb",
+)  # settings the replay does not follow
+
+
+def check_alloc_conf(conf: str | None) -> None:
+    """Refuse an allocator configuration the replay does not model (PYTORCH_CUDA_ALLOC_CONF /
+    PYTORCH_ALLOC_CONF): expandable segments grow one segment instead of reserving new ones, and
+    max_split_size_mb stops large blocks from being split; either moves the reserved peak."""
+    given = (conf or "").replace(" ", "").lower()
+    found = [setting for setting in UNMODELLED_ALLOC_CONF if setting in given]
+    if found:
+        raise TrainmechError(
+            f"the allocator model replays PyTorch's default caching allocator, but the allocator configuration "
+            f"{conf!r} sets {', '.join(found)}: unset it (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF) to compare"
+        )
+
+
+def cuda_peaks(first_book, steady_book=None, *, alloc_conf: str | None = None) -> CudaPeaks:
     """Allocated and reserved peaks of the step `steady_book` describes, after the first update `first_book`
-    (the allocator keeps the first update's segments); with one book, that step from a fresh allocator."""
+    (the allocator keeps the first update's segments); with one book, that step from a fresh allocator.
+    alloc_conf: the allocator configuration of the run the replay stands beside (a measured CUDA step);
+    one that sets what the replay does not model is refused (`check_alloc_conf`)."""
+    check_alloc_conf(alloc_conf)
     allocator = replay(first_book, CachingAllocatorModel())
     book = first_book
     if steady_book is not None:

@@ -35,8 +35,8 @@ def _context_line(context: allocator.CudaContext) -> str:
             "measured context (python -m trainmech gpu-check on the GPU writes one)"
         )
     return (
-        f"  CUDA context (driver, loaded kernels): {_mib(context.nbytes)} ({context.nbytes:,} bytes), {where}; "
-        f"measured: {context.source}"
+        f"  CUDA context (driver, loaded kernels): at most {_mib(context.nbytes)} ({context.nbytes:,} bytes), {where}; "
+        f"measured as device used − reserved, which also holds any other process on the GPU: {context.source}"
     )
 
 

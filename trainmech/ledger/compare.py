@@ -34,6 +34,7 @@ __all__ = [
     "padded_batch",
     "measure_point",
     "measured_bytes_per_param",
+    "model_state_bytes_per_param",
 ]
 
 # How `Comparison.measured_peak` was measured, by device type: what a record's metrics.measured_with says
@@ -380,11 +381,22 @@ def measured_bytes_per_param(model: str, dtype: str, *, run_mode: str = "cpu", s
     """Model-state bytes per parameter measured in a first AdamW update: the weights, every gradient when
     the update starts, and the two moments it creates (AdamW's per-tensor step counters left out)."""
     (point,) = measure_point(model, 1, 16, run_mode=run_mode, seed=seed, dtype=dtype, steps=("first",))
-    step, shape = point.measured, point.predicted.shape
+    return model_state_bytes_per_param(
+        point.measured, len(point.predicted.shape.parameter_tensors()), point.predicted.shape.n_params
+    )
+
+
+def model_state_bytes_per_param(step: Any, n_tensors: int, n_params: int) -> int | float:
+    """Weights + gradients + the two AdamW moments of one tracked first update (a `StepMemory`), per parameter.
+
+    The step counters (`n_tensors` of them, STEP_COUNTER_BYTES each) are subtracted from the optimizer
+    states of every device together: on CUDA the foreach and loop implementations keep them on the host,
+    where the device count (`by_category`) never had them and `elsewhere_at_end` does.
+    """
     gradients = step.by_category(step.phases.index("optimizer"))["gradients"]
-    counters = STEP_COUNTER_BYTES * len(
-        shape.parameter_tensors()
-    )  # state["step"]: the tracker sees it on the host too
-    moments = step.by_category(len(step.live) - 1)["optimizer_states"] - counters
+    states = (
+        step.by_category(len(step.live) - 1)["optimizer_states"] + step.elsewhere_at_end()["optimizer_states"]
+    )
+    moments = states - STEP_COUNTER_BYTES * n_tensors
     total = step.baseline["parameters"] + gradients + moments
-    return total // shape.n_params if total % shape.n_params == 0 else total / shape.n_params
+    return total // n_params if total % n_params == 0 else total / n_params

@@ -54,14 +54,17 @@ def zero_communication_volume(n_params: float, stage: int) -> float:
     return (3.0 if stage == 3 else 2.0) * float(n_params)
 
 
+_MATH_UPCAST = ("self_attn.q_scaled", "self_attn.k_scaled_t", "self_attn.v_repeated")  # fp32 under math
+
+
 def korthikanti_differences(shape, batch: int, seq: int, inventory) -> dict[str, int]:
     """Where a Qwen2 layer (16-bit activations) differs from Korthikanti's GPT layer, sbh(34 + 5as/h), as five
     named terms in bytes (positive: Qwen2 keeps more). shape: a ledger ModelShape; inventory: the layer's
     saved tensors (`ledger.layer_saved`, 16-bit, the kernel that runs), from whose rows every term is read:
     the norms' fp32 input, rsqrt and normalised x; K and V as that kernel keeps them (at kv_heads, or
     repeated to every head: math, a mask, a kernel refusing enable_gqa); what the kernel keeps besides q,
-    k, v and its output (the fp32 logsumexp, RNG state, math's s×s probabilities, a mask's bias); the
-    MLP's four tensors of width I.
+    k, v and its output (the fp32 logsumexp, RNG state, math's s×s probabilities, a mask's bias, and the
+    fp32 half of math's upcast q, k and v: `_MATH_UPCAST`); the MLP's four tensors of width I.
 
     The terms are arithmetic: the rows left over (Q, the attention output o_proj reads, the two norms'
     outputs the projections read) are the formula's 8sbh, so the formula plus the five terms is the
@@ -71,17 +74,20 @@ def korthikanti_differences(shape, batch: int, seq: int, inventory) -> dict[str,
     s, b, h, a = seq, batch, shape.hidden_size, shape.num_heads  # the paper's symbols
     groups = {"norms": 0, "kv": 0, "kernel": 0, "mlp": 0, "rest": 0}
     for t in inventory:
-        name = t.name
+        name, nbytes = t.name, t.nbytes
+        if name in _MATH_UPCAST and t.element_bytes == 4:  # math's fp32 copy: its 16-bit half where GPT's is
+            groups["kernel"] += nbytes // 2
+            nbytes //= 2
         if name.startswith(("input_layernorm.", "post_attention_layernorm.")) and not name.endswith(".out"):
-            groups["norms"] += t.nbytes
+            groups["norms"] += nbytes
         elif name.startswith(("self_attn.k_", "self_attn.v")):
-            groups["kv"] += t.nbytes
+            groups["kv"] += nbytes
         elif any(k in name for k in ("logsumexp", "rng", "probs", "mask_bias")):
-            groups["kernel"] += t.nbytes
+            groups["kernel"] += nbytes
         elif name.startswith("mlp."):
-            groups["mlp"] += t.nbytes
+            groups["mlp"] += nbytes
         else:
-            groups["rest"] += t.nbytes
+            groups["rest"] += nbytes
     if groups["rest"] != 4 * 2 * s * b * h:
         raise TrainmechError(
             f"korthikanti_differences reads a 16-bit layer's inventory: Q, the attention output and the norms' "
@@ -91,7 +97,7 @@ def korthikanti_differences(shape, batch: int, seq: int, inventory) -> dict[str,
         "RMSNorm (fp32 input, rsqrt, normed)": groups["norms"] - 4 * s * b * h,
         "grouped-query attention (K, V)": groups["kv"] - 4 * s * b * h,
         "no dropout (masks, dropout output)": -(2 * s * b * h + 3 * a * s * s * b),
-        "SDPA kernel (what it keeps, no softmax output)": groups["kernel"] - 2 * a * s * s * b,
+        "SDPA kernel (kept beyond 16-bit q, k, v, out)": groups["kernel"] - 2 * a * s * s * b,
         "SwiGLU (4 tensors of width I)": groups["mlp"] - 16 * s * b * h,
     }
 

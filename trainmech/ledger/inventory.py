@@ -215,27 +215,34 @@ def attention_saved(
     turned into an additive float bias (the efficient kernel pads its last dimension to a multiple of
     16). cuDNN's inventory is the ledger's reading of its backward's arguments, checked only by a run
     on a GPU that dispatches it. math: q and kᵀ scaled and repeated
-    to every head, v repeated, the s×s softmax probabilities, and the output copy o_proj reads; its v
+    to every head, v repeated, the s×s softmax probabilities, and the output copy o_proj reads; 16-bit
+    inputs are upcast first (torch ≥ 2.5's _scaled_dot_product_attention_math computes in fp32), so all
+    but that output copy are fp32 whatever the activations' dtype (measured on the CPU in bf16); its v
     and output copy are consumed (o_proj's and probs @ v's backward) before its softmax backward, the
     `attention` moment, so they are released at the layer's `mlp` moment. On CUDA the flash and cuDNN
     kernels also keep their RNG seed and offset (`rng_state_saved`, weighed on the GPU with weigh_rng).
     repeat_kv: K and V repeated to every head before SDPA (default: with a mask, as transformers does;
     True without one: a torch whose kernel refuses enable_gqa needs them repeated to run it).
-    dropout: the math composite drops out its probabilities (at::dropout: a scaled Bernoulli mask of the
-    activations' dtype, kept by the multiply, and the dropped probabilities, kept by probs @ v), two more
+    dropout: the math composite drops out its probabilities (at::dropout: on the CPU a scaled Bernoulli mask
+    of the probabilities' dtype, fp32 as above, kept by the multiply; on CUDA native_dropout's bool mask, and the dropped probabilities, kept by probs @ v), two more
     s×s tensors; the fused kernels draw their mask inside and keep only their RNG state.
     """
     heads, kv_heads, d, act = shape.num_heads, shape.num_kv_heads, shape.head_dim, element_bytes
     if kernel == "math":
+        acc = max(act, FP32_BYTES)  # the math composite upcasts 16-bit q, k, v to fp32 and computes in fp32
         return [
-            SavedTensor("self_attn.q_scaled", (b, heads, s, d), act, "attention"),
-            SavedTensor("self_attn.k_scaled_t", (b, heads, d, s), act, "attention"),  # repeated to all heads
-            SavedTensor("self_attn.v_repeated", (b, heads, s, d), act, "mlp"),
-            SavedTensor("self_attn.probs", (b, heads, s, s), act, "attention"),  # the s² term
+            SavedTensor("self_attn.q_scaled", (b, heads, s, d), acc, "attention"),
+            SavedTensor("self_attn.k_scaled_t", (b, heads, d, s), acc, "attention"),  # repeated to all heads
+            SavedTensor("self_attn.v_repeated", (b, heads, s, d), acc, "mlp"),
+            SavedTensor("self_attn.probs", (b, heads, s, s), acc, "attention"),  # the s² term
             *(
                 [
-                    SavedTensor("self_attn.dropout_mask", (b, heads, s, s), act, "mlp"),
-                    SavedTensor("self_attn.probs_dropped", (b, heads, s, s), act, "mlp"),
+                    # CUDA: at::dropout runs the fused native_dropout, whose mask is bool (Dropout.cpp,
+                    # is_fused_kernel_acceptable); the CPU multiplies by a mask of the probabilities' dtype
+                    SavedTensor(
+                        "self_attn.dropout_mask", (b, heads, s, s), 1 if device == "cuda" else acc, "mlp"
+                    ),
+                    SavedTensor("self_attn.probs_dropped", (b, heads, s, s), acc, "mlp"),
                 ]
                 if dropout
                 else []

@@ -86,8 +86,17 @@ def allocated_reserved(first: Comparison, steady: Comparison) -> AllocatedReserv
         got.peak_bytes,
         got.step_peak_allocated_bytes,
         got.peak_reserved_bytes,
-        allocator_model.cuda_peaks(first.predicted, steady.predicted),
+        allocator_model.cuda_peaks(
+            first.predicted, steady.predicted, alloc_conf=_alloc_conf() if got.peak_reserved_bytes else None
+        ),
     )
+
+
+def _alloc_conf() -> str | None:
+    """This process's CUDA allocator configuration (torch reads PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF)."""
+    import os
+
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
 
 
 def record_fields(
