@@ -218,9 +218,6 @@ PACKAGE = [
 # Not branches, though the scan sees a device string there: why each is no CUDA path.
 NOT_BRANCHES = {
     "measure._cpu_allocator_events": "filters the CPU profiler's events to CPU ones; nothing runs on CUDA",
-    "rank_update.CommCounter.__new__._Mode.__torch_dispatch__": "settles FSDP2's collectives only when every "
-    "tensor is on the CPU (gloo's thread frees what the engine dropped); NCCL's collectives on CUDA are passed "
-    "through untouched, counted the same way",
     "execution.choose_jobs": "decides how many notebooks run at once (one in the CUDA mode); nothing runs on CUDA, "
     "tests/test_runner_faults.py covers both sides on a CPU",
     "runner._provenance": "names run.json's intra-op thread count (CPU kernels pin one); nothing runs on CUDA",
