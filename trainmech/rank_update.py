@@ -43,7 +43,10 @@ STAGES = {
 }
 HOST = "127.0.0.1"
 LR = 1e-3
-COLLECTIVE_TIMEOUT_S = 30.0  # a rank waiting for a dead peer gives up after this
+# A rank waiting for a peer (the store, a collective, the barrier) gives up after this. run() stops every
+# worker as soon as one dies, so it only has to outlast a slow peer: 30 s was once too short on a loaded
+# 2-core machine, where idle ranks wait at the barrier while the others start up and update.
+COLLECTIVE_TIMEOUT_S = 120.0
 
 
 @dataclass
