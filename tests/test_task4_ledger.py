@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainmech import ledger, measure, profiles, workload
+from trainmech import ledger, measure, memory_history, profiles, workload
 from trainmech.errors import TrainmechError
 
 pytestmark = pytest.mark.task4
@@ -930,13 +930,13 @@ def test_the_memory_history_of_a_cuda_snapshot_names_the_blocks_no_tensor_explai
     snapshot = _cuda_snapshot(steps, workspace=1 << 19, scratch=1 << 17)  # beside a few MiB of tensors
     assert "TOTAL MEM" in _memory_viz.trace(snapshot)  # PyTorch's own readers take it
     assert "segments: 1" in _memory_viz.segsum(snapshot)
-    history = measure._history_from_snapshot(snapshot, 0)
+    history = memory_history._history_from_snapshot(snapshot, 0)
     tracked = steps[0].allocations
     assert history.source == "cuda-allocator" and len(history.blocks) == len(tracked) + 2
     assert history["alloc_events"] == len(tracked) + 2
     assert history["free_events"] == sum(a.died is not None for a in tracked) + 1
     assert history["segments"] == 1 and history["reserved_bytes"] == snapshot["segments"][0]["total_size"]
-    assert measure._history_from_snapshot(snapshot, 1).blocks == []  # another device: nothing recorded
+    assert memory_history._history_from_snapshot(snapshot, 1).blocks == []  # another device: nothing recorded
     timeline = measure.step_history(history, steps)
     assert timeline is history  # the allocator's history, labelled: not the tracker's stand-in
     only = timeline.allocator_only()
@@ -950,7 +950,8 @@ def test_the_memory_history_of_a_cuda_snapshot_names_the_blocks_no_tensor_explai
     trace = list(snapshot["device_traces"][0])
     trace.remove(next(e for e in trace if e["action"] == "alloc" and e["addr"] == tracked[0].address))
     started = {**snapshot, "device_traces": [trace]}
-    late = measure._history_from_snapshot(started, 0)  # the first storage existed before the recording began
+    # the first storage existed before the recording began
+    late = memory_history._history_from_snapshot(started, 0)
     assert late["alive_at_start_blocks"] == 1 and late["alive_at_start_bytes"] == tracked[0].nbytes
     assert len(late.blocks) == len(history.blocks) - 1 and "alive when the recording began" in late.describe()
     fig = plots.memory_viz_timeline(timeline, title="snapshot")
@@ -1248,7 +1249,7 @@ def test_history_blocks_need_the_same_address_and_rounded_size_and_the_check_is_
         "frames": check_frames,
     }
     trace.append(scalar)
-    history = measure.step_history(measure._history_from_snapshot(snapshot, 0), steps)
+    history = measure.step_history(memory_history._history_from_snapshot(snapshot, 0), steps)
     named = [
         (b.category, b.phase)
         for b in history.blocks

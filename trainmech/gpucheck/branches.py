@@ -97,7 +97,7 @@ PACKAGE = [
     ),
     Branch(
         "measure.history",
-        ("measure.cuda_memory_history",),
+        ("memory_history.cuda_memory_history",),
         "torch.cuda.memory._record_memory_history(stacks='python') around a tracked step; the snapshot's blocks "
         "labelled by the tracker (CPU: the tracker's own history)",
         check_memory_history,
