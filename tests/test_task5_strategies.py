@@ -837,3 +837,16 @@ def test_timing_table_prints_one_row_per_measured_strategy_and_a_dash_for_what_w
         "—",
         "—",
     ]
+
+
+def test_step_phase_times_leaves_the_model_and_optimizer_as_they_were(tiny_qwen2):
+    model = tiny_qwen2(**TASK5_MODEL)
+    batch = {"input_ids": torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))}
+    batch["labels"] = batch["input_ids"].clone()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    phases = limits.step_phase_times(model, batch, optimizer, warmup=1, repeats=1)
+    assert phases["update_s"] > 0
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # two real AdamW steps at lr 1e-2 ran
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
