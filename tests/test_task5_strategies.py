@@ -213,6 +213,14 @@ def test_dispatched_ops_follow_the_attention_kernel(model, batch):
         model(**batch)
     assert dispatched["bmm.default"] == 2 * LAYERS  # the math kernel: scores and the weighted sum
     assert not any("scaled_dot_product" in name for name in dispatched)
+    assert C.dispatched_kernel(dispatched, "cpu") == C.dispatched_kernel(dispatched, "cuda") == "math"
+    with C.dispatched_ops(model.model.layers) as plain:
+        model(**batch)
+    assert C.dispatched_kernel(plain, "cpu") == "flash" and C.dispatched_kernel(plain, "cuda") is None
+    fused = {"_scaled_dot_product_cudnn_attention.default": LAYERS, "mm.default": 4 * LAYERS}
+    assert (
+        C.dispatched_kernel(fused, "cuda") == "cudnn"
+    )  # what torch >= 2.10 may pick on sm90 instead of the rule
 
 
 def test_recomputed_tensors_are_saved_tensors_in_a_measurement(batch, tensors, tiny_qwen2):

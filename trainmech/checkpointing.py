@@ -44,6 +44,7 @@ __all__ = [
     "count_calls",
     "dispatched_ops",
     "ATTENTION_OPS",
+    "dispatched_kernel",
     "expected_matmul_ops",
 ]
 
@@ -348,6 +349,16 @@ ATTENTION_OPS = {
     ("cpu", "math"): {"bmm.default": 2},  # the composite: scores q·kᵀ, then probabilities · v
     ("cuda", "math"): {"bmm.default": 2},
 }
+
+
+def dispatched_kernel(dispatched: Counter, device: str) -> str | None:
+    """The attention kernel a count of dispatched ops (`dispatched_ops`) shows on `device`: the first of
+    ATTENTION_OPS whose ops all appear (a fused op names its kernel; two `bmm` are the math composite).
+    None: no known attention op among them. On a GPU this, not the ledger's rule, says what ran."""
+    for (on, kernel), ops in ATTENTION_OPS.items():
+        if on == device and all(op in dispatched for op in ops):
+            return kernel
+    return None
 
 
 def expected_matmul_ops(layers: Iterable[torch.nn.Module], kernel: str, device: str) -> Counter:
