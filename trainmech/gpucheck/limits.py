@@ -223,7 +223,9 @@ OFFLOAD_BOUND_ASSUMES = (
     "ActivationOffload's schedule: the compute stream waits for every D2H when the backward starts "
     "(OffloadBook.start_backward), so D2H hides behind the forward only, and H2D, issued in the backward, "
     "behind the backward only (an offload that let D2H run on into the backward would hide more); each "
-    "direction at its rate measured alone; the baseline's phase times, with nothing for the hooks' own "
+    "direction at its rate measured alone (one large pinned copy on an idle stream: the offload's many "
+    "per-storage copies are smaller and share the device memory's bandwidth with the compute, which this "
+    "leaves out, as it does for the exposed share); the baseline's phase times, with nothing for the hooks' own "
     "work (Python pack/unpack, views rebuilt, the compute stream's waits issued): a lower bound, that "
     "work only adds to it. Copies queued on the compute stream (save_on_cpu) hide behind nothing: serial"
 )
