@@ -177,6 +177,10 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     assert full.replayed_ops == full.recomputed_ops and full.read_from_cache_ops == 0
     # selective keeps down_proj's output too, but the stop comes before it: kept, never read from the cache
     assert selective.kept_unread_ops == LAYERS
+    # … measured in torch's selective caches after the backward: one unconsumed entry per layer
+    assert selective.left_in_cache_ops == LAYERS and full.left_in_cache_ops is None
+    selective.forget_caches()
+    assert selective.left_in_cache_ops is None
     assert (
         selective.read_from_cache_ops + selective.recomputed_ops + selective.skipped_ops
         == selective.forward_ops
