@@ -177,6 +177,10 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     assert full.replayed_ops == full.recomputed_ops and full.read_from_cache_ops == 0
     # selective keeps down_proj's output too, but the stop comes before it: kept, never read from the cache
     assert selective.kept_unread_ops == LAYERS
+    # … measured in torch's selective caches after the backward: one unconsumed entry per layer
+    assert selective.left_in_cache_ops == LAYERS and full.left_in_cache_ops is None
+    selective.forget_caches()
+    assert selective.left_in_cache_ops is None
     assert (
         selective.read_from_cache_ops + selective.recomputed_ops + selective.skipped_ops
         == selective.forward_ops
@@ -213,6 +217,14 @@ def test_dispatched_ops_follow_the_attention_kernel(model, batch):
         model(**batch)
     assert dispatched["bmm.default"] == 2 * LAYERS  # the math kernel: scores and the weighted sum
     assert not any("scaled_dot_product" in name for name in dispatched)
+    assert C.dispatched_kernel(dispatched, "cpu") == C.dispatched_kernel(dispatched, "cuda") == "math"
+    with C.dispatched_ops(model.model.layers) as plain:
+        model(**batch)
+    assert C.dispatched_kernel(plain, "cpu") == "flash" and C.dispatched_kernel(plain, "cuda") is None
+    fused = {"_scaled_dot_product_cudnn_attention.default": LAYERS, "mm.default": 4 * LAYERS}
+    assert (
+        C.dispatched_kernel(fused, "cuda") == "cudnn"
+    )  # what torch >= 2.10 may pick on sm90 instead of the rule
 
 
 def test_recomputed_tensors_are_saved_tensors_in_a_measurement(batch, tensors, tiny_qwen2):
@@ -837,3 +849,16 @@ def test_timing_table_prints_one_row_per_measured_strategy_and_a_dash_for_what_w
         "—",
         "—",
     ]
+
+
+def test_step_phase_times_leaves_the_model_and_optimizer_as_they_were(tiny_qwen2):
+    model = tiny_qwen2(**TASK5_MODEL)
+    batch = {"input_ids": torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))}
+    batch["labels"] = batch["input_ids"].clone()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    phases = limits.step_phase_times(model, batch, optimizer, warmup=1, repeats=1)
+    assert phases["update_s"] > 0
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # two real AdamW steps at lr 1e-2 ran
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())

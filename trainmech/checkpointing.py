@@ -44,6 +44,7 @@ __all__ = [
     "count_calls",
     "dispatched_ops",
     "ATTENTION_OPS",
+    "dispatched_kernel",
     "expected_matmul_ops",
 ]
 
@@ -170,6 +171,9 @@ class Region:
     forward: list[str] = field(default_factory=list)
     replayed: list[str] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)
+    cache: dict | None = field(
+        default=None, repr=False
+    )  # the selective policy's cache (torch's storage), if any
 
 
 @dataclass
@@ -212,6 +216,28 @@ class RecomputeCount:
     def kept_unread_ops(self) -> int:
         """Ops a policy kept whose cached output the recompute never read: past its early stop."""
         return self.saved_ops - self.read_from_cache_ops
+
+    @property
+    def left_in_cache_ops(self) -> int | None:
+        """Measured, not derived from the counts above: the entries the selective caches still hold after the
+        backward, outputs kept in the forward that no recompute consumed (torch marks an entry it hands back
+        as consumed, and an op the policy recomputes holds no output). None: no selective cache. Read it, then
+        `forget_caches()`: the regions would otherwise keep those outputs alive."""
+        caches = [r.cache for r in self.regions if r.cache is not None]
+        if not caches:
+            return None
+        empty = tuple(getattr(torch.utils.checkpoint, name) for name in ("_RECOMPUTE", "_CONSUMED"))
+        return sum(
+            not any(entry is e for e in empty)
+            for cache in caches
+            for per_op in cache.values()
+            for entry in per_op.values()
+        )
+
+    def forget_caches(self) -> None:
+        """Drop the references to the selective caches (and the unread outputs in them)."""
+        for r in self.regions:
+            r.cache = None
 
     @property
     def replays_are_prefixes(self) -> bool:
@@ -272,6 +298,7 @@ def counting_context(count: RecomputeCount, policy: Callable | None = None) -> C
         forward, recompute = (
             create_selective_checkpoint_contexts(counted_policy) if policy else (nullcontext(), nullcontext())
         )
+        region.cache = getattr(forward, "storage", None)
         return (
             _stacked(_OpCounter(region.forward), forward),
             _stacked(_stacked(_OpCounter(region.recomputed), recompute), _OpCounter(region.replayed)),
@@ -348,6 +375,16 @@ ATTENTION_OPS = {
     ("cpu", "math"): {"bmm.default": 2},  # the composite: scores q·kᵀ, then probabilities · v
     ("cuda", "math"): {"bmm.default": 2},
 }
+
+
+def dispatched_kernel(dispatched: Counter, device: str) -> str | None:
+    """The attention kernel a count of dispatched ops (`dispatched_ops`) shows on `device`: the first of
+    ATTENTION_OPS whose ops all appear (a fused op names its kernel; two `bmm` are the math composite).
+    None: no known attention op among them. On a GPU this, not the ledger's rule, says what ran."""
+    for (on, kernel), ops in ATTENTION_OPS.items():
+        if on == device and all(op in dispatched for op in ops):
+            return kernel
+    return None
 
 
 def expected_matmul_ops(layers: Iterable[torch.nn.Module], kernel: str, device: str) -> Counter:

@@ -270,6 +270,9 @@ NOTEBOOK_CELLS = {
     "Task5:timing-table": "the timing table, decisions from allocated peaks (reserved beside them), bytes per sequence and "
     "medians; the exposed fraction "
     "(per-copy CUDA events) and the step ratio against the measured bound",
+    "Task5:records": "save_on_cpu's tracked peak above the baseline's and the custom hooks' below it is claimed on CPU "
+    "only (there its host copies are tracked storages born in the update; on CUDA they are host memory)",
+    "Task6:checkpoint-passes": "forward + backward equal to the whole update's tracked peak is claimed on CPU only",
     "Task6:imports-setup": "3 warm-up + 21 timed steps on CUDA; one CPU thread only on CPU",
     "Task6:gradient-errors-figure": "the FP16 margin claim is CPU-only; on CUDA the margin is printed as unverified (the "
     "float16 tolerance's first GPU calibration)",
@@ -315,8 +318,9 @@ KERNEL_CHOICE_CELLS = {
     ),
     "Task5:selective": (
         "the matmul and attention ops a grad-enabled forward dispatched against checkpointing.expected_matmul_ops "
-        "(7 projections per layer and the attention of ledger.attention_kernel's choice: one fused SDPA op on CPU, "
-        "two bmm with CUDA's math kernel), and the selective checkpoint's saved outputs against them",
+        "(7 projections per layer and the attention of the kernel the forward dispatched, "
+        "checkpointing.dispatched_kernel: one fused SDPA op, or two bmm with the math kernel; ledger.attention_kernel's "
+        "rule printed beside it, required equal on CPU only), and the selective checkpoint's saved outputs against them",
         None,
     ),
 }

@@ -11,6 +11,7 @@ host clock, and say so in `path` — a stand-in that runs the same bookkeeping, 
 
 from __future__ import annotations
 
+import copy
 import statistics
 import threading
 import time
@@ -168,24 +169,20 @@ def step_phase_times(
     """Median seconds of one training step's forward (with the loss), backward and update.
 
     On CUDA the marks are events on the compute stream, read after the loop: no host
-    synchronisation inside a step.
+    synchronisation inside a step. The steps are real optimizer steps; the model's weights and buffers and the
+    optimizer's state are put back afterwards (from host copies taken before), so a caller's `model` is not left
+    trained.
     """
     device = next(model.parameters()).device
     clock = Clock(device)
-    marks = []
-    for k in range(warmup + repeats):
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+    try:
+        marks = _phase_marks(model, batch, optimizer, clock, warmup, repeats)
+    finally:
         optimizer.zero_grad(set_to_none=True)
-        a = clock.mark()
-        loss = model(**batch, use_cache=False).loss
-        b = clock.mark()
-        loss.backward()
-        c = clock.mark()
-        optimizer.step()
-        d = clock.mark()
-        del loss
-        if k >= warmup:
-            marks.append((a, b, c, d))
-    optimizer.zero_grad(set_to_none=True)
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(optimizer_state)
     phases = {"forward_s": [], "backward_s": [], "update_s": []}
     for a, b, c, d in marks:
         phases["forward_s"].append(clock.seconds(a, b))
@@ -203,12 +200,32 @@ def step_phase_times(
     }
 
 
+def _phase_marks(model, batch, optimizer, clock, warmup: int, repeats: int) -> list:
+    """step_phase_times' loop: clock marks around forward, backward and update of each timed step."""
+    marks = []
+    for k in range(warmup + repeats):
+        optimizer.zero_grad(set_to_none=True)
+        a = clock.mark()
+        loss = model(**batch, use_cache=False).loss
+        b = clock.mark()
+        loss.backward()
+        c = clock.mark()
+        optimizer.step()
+        d = clock.mark()
+        del loss
+        if k >= warmup:
+            marks.append((a, b, c, d))
+    return marks
+
+
 # What offload_bound's windows stand on: they hold for this project's ActivationOffload, not for every offload.
 OFFLOAD_BOUND_ASSUMES = (
     "ActivationOffload's schedule: the compute stream waits for every D2H when the backward starts "
     "(OffloadBook.start_backward), so D2H hides behind the forward only, and H2D, issued in the backward, "
     "behind the backward only (an offload that let D2H run on into the backward would hide more); each "
-    "direction at its rate measured alone; the baseline's phase times, with nothing for the hooks' own "
+    "direction at its rate measured alone (one large pinned copy on an idle stream: the offload's many "
+    "per-storage copies are smaller and share the device memory's bandwidth with the compute, which this "
+    "leaves out, as it does for the exposed share); the baseline's phase times, with nothing for the hooks' own "
     "work (Python pack/unpack, views rebuilt, the compute stream's waits issued): a lower bound, that "
     "work only adds to it. Copies queued on the compute stream (save_on_cpu) hide behind nothing: serial"
 )
