@@ -305,6 +305,12 @@ def check_ledger_on_device(probe: Probe) -> str:
         require(
             all(v is not None for v in allocator_fields), f"the record's allocator peaks: {allocator_fields}"
         )
+    else:  # the record's tracked peak (this run's tracker) against another instrument: the profiler's run above
+        tracked = fields["metrics"]["cpu_tracked_peak_bytes"]
+        require(
+            abs(tracked / peaks.measured_allocated - 1) <= 0.01,
+            f"the record's tracked peak {tracked:,} vs the CPU allocator's {peaks.measured_allocated:,} (profiler run)",
+        )
     gpu = ""
     if probe.cuda:
         gpu = (
