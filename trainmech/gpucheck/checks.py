@@ -33,6 +33,11 @@ __all__ = [
 ]
 
 
+# The allocator model's allocated / reserved peaks against the CUDA allocator's (gpu-check only);
+# a first bound, not yet measured on a GPU: widen it only with the record of a run that shows why.
+ALLOCATOR_MODEL_TOLERANCE = 0.10
+
+
 def check_session(probe: Probe) -> str:
     from trainmech import session
 
@@ -94,10 +99,6 @@ def check_timing_and_peaks(probe: Probe) -> str:
         require(
             peaks["peak_allocated_bytes"] >= window.start_bytes + 3 * n and allocated is not None,
             f"cuda_peaks {peaks} below the window's {window.start_bytes + 3 * n:,} B",
-        )
-        require(
-            peaks["peak_reserved_bytes"] >= peaks["peak_allocated_bytes"],
-            f"reserved below allocated: {peaks}",
         )
     else:
         require(
@@ -195,7 +196,7 @@ def check_ledger_on_device(probe: Probe) -> str:
     (`ledger.attention_kernel`) must pick that kernel on every device, the peaks within 5 %, the lifecycles key by key (CUDA: within
     CUDA_LIFECYCLE_TOLERANCE), bf16's per-layer saved bytes against the dispatched kernel's inventory with
     the RNG state weighed on this device, and (CUDA) the warm-up's cuBLAS workspaces and the allocator
-    model's allocated / reserved peaks beside the measured ones."""
+    model's allocated / reserved peaks within ALLOCATOR_MODEL_TOLERANCE of the measured ones."""
     first, steady = ledger.measure_point(
         probe.model_name, probe.batch, probe.seq, run_mode=probe.mode, seed=0, warmup=True
     )
@@ -214,9 +215,8 @@ def check_ledger_on_device(probe: Probe) -> str:
         kernels.append(ran)
         rules.append(rule)
     require(
-        first.kernel == kernels[0] and first.predicted.attention == kernels[0],
-        f"measure_point saw the {first.kernel} kernel and predicted with {first.predicted.attention}; "
-        f"the forward dispatched {kernels[0]}",
+        first.kernel == kernels[0],  # measure_point predicts with the kernel it saw: only this half can fail
+        f"measure_point saw the {first.kernel} kernel; the forward dispatched {kernels[0]}",
     )
     errors = f"peak error first {first.error:+.1%}, steady {steady.error:+.1%}"
     require(
@@ -280,10 +280,13 @@ def check_ledger_on_device(probe: Probe) -> str:
         else ledger.measure_point(probe.model_name, probe.batch, probe.seq, seed=0, allocator="cpu-profiler")
     )
     peaks = ledger.allocated_reserved(*measured)
-    model = peaks.model
-    require(
-        model.reserved_peak >= model.allocated_peak >= model.tensor_peak,
-        f"allocator model out of order: {model}",
+    require(  # the model's peaks against the allocator's own (torch.cuda.max_memory_*), not against themselves
+        not probe.cuda
+        or (
+            abs(peaks.allocated_error) <= ALLOCATOR_MODEL_TOLERANCE
+            and abs(peaks.reserved_error) <= ALLOCATOR_MODEL_TOLERANCE
+        ),
+        f"the allocator model beside the CUDA allocator's peaks: {peaks.lines()} (bound {ALLOCATOR_MODEL_TOLERANCE:.0%})",
     )
     require(
         probe.cuda or (abs(peaks.tracked_error) <= 0.01 and peaks.reserved_error is None),
@@ -291,11 +294,6 @@ def check_ledger_on_device(probe: Probe) -> str:
     )
     fields = ledger.record_fields(
         steady, [first, steady], worst_error=0.0, on_cuda=probe.cuda, updates=[first, steady]
-    )
-    carried = (fields["metrics"]["measured_peak_bytes"], fields["metrics"]["peak_error"])
-    require(
-        carried == (steady.measured_peak, steady.error),
-        f"the record carries {carried}, the steady step measured {(steady.measured_peak, steady.error)}",
     )
     require(fields["correctness"]["all_finite"] is True, f"the record's correctness: {fields['correctness']}")
     if probe.cuda:
@@ -307,10 +305,11 @@ def check_ledger_on_device(probe: Probe) -> str:
         require(
             all(v is not None for v in allocator_fields), f"the record's allocator peaks: {allocator_fields}"
         )
-    else:
+    else:  # the record's tracked peak (this run's tracker) against another instrument: the profiler's run above
+        tracked = fields["metrics"]["cpu_tracked_peak_bytes"]
         require(
-            fields["metrics"]["cpu_tracked_peak_bytes"] == steady.measured.peak_bytes > 0,
-            f"the record's tracked peak {fields['metrics']['cpu_tracked_peak_bytes']}",
+            abs(tracked / peaks.measured_allocated - 1) <= 0.01,
+            f"the record's tracked peak {tracked:,} vs the CPU allocator's {peaks.measured_allocated:,} (profiler run)",
         )
     gpu = ""
     if probe.cuda:
