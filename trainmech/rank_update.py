@@ -282,12 +282,15 @@ class CommCounter:
     scheduler chose, and a loaded machine moved the tracked peak from one run to the next. So the mode
     waits for the collective, hands the caller an already completed Work instead of gloo's, and waits
     until gloo's thread has let go of the collective's tensors. On the CPU nothing overlaps with a
-    collective anyway, and the main thread's operations run in the same order. Only FSDP2's all-gather and
-    reduce-scatter are settled: their callers only wait on the Work, while DDP's reducer chains on its
-    future, and DDP's and ZeroRedundancyOptimizer's collectives move tensors that outlive them."""
+    collective anyway, and the main thread's operations run in the same order. Settled are the collectives
+    whose callers only wait on the Work (SETTLED): FSDP2's all-gather and reduce-scatter, and every
+    broadcast (DDP's per-forward broadcast of the buffers, flattened into a fresh 64-byte tensor for
+    qwen2-tiny's rotary frequencies, had the same race; ZeroRedundancyOptimizer's parameter broadcasts).
+    DDP's all-reduce is passed through: its reducer chains on the Work's future, and its buckets outlive it."""
 
     # which argument is the whole tensor: an all-gather's output, a reduce-scatter's input, otherwise the tensor
     WHOLE = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}
+    SETTLED = ("_allgather_base_", "_reduce_scatter_base_", "broadcast_")
     SETTLE_TIMEOUT_S = 10.0
 
     def __new__(cls):
@@ -309,7 +312,7 @@ class CommCounter:
                 c.calls += 1
                 c.payload_bytes += sum(t.numel() * t.element_size() for t in tensors)
                 every = flat_tensors([args, kwargs or {}])
-                if name not in cls.WHOLE or any(t.device.type != "cpu" for t in every):
+                if name not in cls.SETTLED or any(t.device.type != "cpu" for t in every):
                     return func(*args, **(kwargs or {}))
                 before = [t._use_count() for t in every]
                 return cls._settle(func(*args, **(kwargs or {})), every, before)
