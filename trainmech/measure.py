@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from trainmech import memory_history, storage_tracker
 from trainmech.errors import TrainmechError
 from trainmech.memory_history import (  # noqa: F401  re-exported: the notebooks write measure.<name>
     ALLOCATOR_ONLY,
@@ -51,25 +52,14 @@ __all__ = [
     "cuda_peaks",
     "reset_cuda_peaks",
     "cuda_allocated",
-    "MEMORY_CATEGORIES",
-    "FORWARD_PHASES",
-    "REBUILDS",
-    "born_as",
-    "Allocation",
-    "StorageTracker",
-    "phase_hooks",
     "StepMemory",
     "training_step_memory",
-    "ALLOCATOR_ONLY",
-    "HistoryBlock",
-    "MemoryHistory",
-    "history_from_tracker",
-    "cuda_memory_history",
-    "step_history",
     "ALLOCATORS",
     "AllocatorWindow",
     "allocator_window",
     "allocator_peak_cpu",
+    *storage_tracker.__all__,  # re-exported
+    *memory_history.__all__,
 ]
 
 
