@@ -6,6 +6,8 @@ go, the records regression); this one only what several test files build the sam
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,6 +79,25 @@ def tiny_profile_model(tiny_spec):
 
     def build(seed: int = 0, **kwargs):
         return workload.build_model(tiny_spec, seed=seed, **kwargs)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def gpu_performance():
+    """Factory: a real `performance.Performance` as a GPU run fills it: median and P95 seconds, the allocated peak
+    (reserved the same unless given) and bytes per sequence; every other field unknown (None) unless given."""
+    from trainmech.performance import Performance
+
+    def build(median=1.0, p95=None, allocated=1000, per_row=100, **fields):
+        unknown = dict.fromkeys(f.name for f in dataclasses.fields(Performance))
+        times = {"step_time_median_s": median, "step_time_p95_s": median if p95 is None else p95}
+        peaks = {
+            "peak_allocated_bytes": allocated,
+            "peak_reserved_bytes": allocated,
+            "bytes_per_row": per_row,
+        }
+        return Performance(**{**unknown, "device_type": "cuda", **times, **peaks, **fields})
 
     return build
 

@@ -816,24 +816,19 @@ def test_record_lines_name_the_peak_field_once_per_experiment_and_print_what_the
     assert set(strategy_records.RECORD_FIELDS) == set(strategy_records.PEAK_FIELD)
 
 
-def test_timing_table_prints_one_row_per_measured_strategy_and_a_dash_for_what_was_not_measured():
+def test_timing_table_prints_one_row_per_measured_strategy_and_a_dash_for_what_was_not_measured(
+    gpu_performance,
+):
     """The GPU timing table (the notebook prints it on CUDA only): a strategy without a measurement is left out,
     a field the strategy does not have (no transfers for a checkpoint) is a dash, never 0."""
     from types import SimpleNamespace as NS
 
     from trainmech import strategy_records
 
-    measured = NS(
-        step_time_median_s=0.2,
-        step_time_p95_s=0.25,
-        peak_reserved_bytes=3_000_000,
-        peak_allocated_bytes=2_500_000,
-        forward_backward_reserved_bytes=2_000_000,
-        exposed_transfer_time_s=None,
-        transfer_time_s=None,
-    )
+    measured = gpu_performance(0.2, 0.25, 2_500_000, peak_reserved_bytes=3_000_000)
+    measured.forward_backward_reserved_bytes = 2_000_000
     runs = {
-        "checkpoint": NS(performance=measured, reference_performance=NS(step_time_median_s=0.1)),
+        "checkpoint": NS(performance=measured, reference_performance=gpu_performance(0.1)),
         "not-timed": NS(performance=None, reference_performance=None),
     }
     header, rule, row = strategy_records.timing_table(runs).splitlines()

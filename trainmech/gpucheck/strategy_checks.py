@@ -190,21 +190,46 @@ def check_save_on_cpu(probe: Probe) -> str:
     )
 
 
+# The decision rule as a table, written from DecisionRule's and decide_measured's docstrings, not from their code:
+# (whole-update peak higher than the slack allows, a memory gain, within the time budget, faster) -> outcome.
+# "faster" lies within the time budget, so the four rows with faster and not within it cannot occur.
+_RULE_TABLE = {
+    # higher  gain   in time faster
+    (False, True, True, False): "accept",  # smaller at an affordable cost
+    (False, True, True, True): "accept",
+    (False, False, True, True): "accept",  # faster, no higher
+    (False, True, False, False): "tune",  # smaller, but too slow
+    (False, False, True, False): "no-gain",
+    (False, False, False, False): "no-gain",
+    (True, True, True, False): "tune",  # a gain, but the whole update peaks higher
+    (True, True, True, True): "tune",
+    (True, False, True, True): "tune",
+    (True, True, False, False): "tune",
+    (True, False, True, False): "costs-memory",
+    (True, False, False, False): "costs-memory",
+}
+
+
+def _rule_case(p, ref, rule) -> tuple[bool, bool, bool, bool]:
+    """`_RULE_TABLE`'s key for two Performance records: each condition compares the measured numbers themselves,
+    scaled, rather than the ratios trainmech.decision computes."""
+    return (
+        p.peak_allocated_bytes > ref.peak_allocated_bytes * (1 + rule.no_higher_slack),
+        p.peak_allocated_bytes <= ref.peak_allocated_bytes * (1 - rule.min_peak_drop)
+        or p.bytes_per_row <= ref.bytes_per_row * (1 - rule.min_peak_drop),
+        p.step_time_median_s <= ref.step_time_median_s * rule.max_time_ratio,
+        # the time saved clears min_speedup of the reference's median and the reference's own P95 - median gap
+        ref.step_time_median_s - p.step_time_median_s
+        >= max(rule.min_speedup * ref.step_time_median_s, ref.step_time_p95_s - ref.step_time_median_s),
+    )
+
+
 def _outcome_by_hand(p, ref, rule) -> str:
-    """The decision rule applied again, written out here from two Performance records (not through
-    decision.decide): a record whose outcome disagrees was decided from other numbers than the measured ones."""
-    drop = (ref.peak_allocated_bytes - p.peak_allocated_bytes) / ref.peak_allocated_bytes
-    gain = (ref.bytes_per_row - p.bytes_per_row) / ref.bytes_per_row
-    ratio = p.step_time_median_s / ref.step_time_median_s
-    noise = max(ref.step_time_p95_s / ref.step_time_median_s - 1, 0.0)
-    higher = drop < -rule.no_higher_slack
-    smaller = drop >= rule.min_peak_drop or gain >= rule.min_peak_drop
-    faster = ratio <= 1 - max(rule.min_speedup, noise)
-    if not higher and ((smaller and ratio <= rule.max_time_ratio) or faster):
-        return "accept"
-    if smaller or faster:
-        return "tune"
-    return "costs-memory" if higher else "no-gain"
+    """The outcome read off two Performance records through `_RULE_TABLE` (not through trainmech.decision): a
+    record whose outcome disagrees was decided from other numbers than the measured ones, or by a rule whose
+    meaning changed."""
+    case = _rule_case(p, ref, rule)
+    return _RULE_TABLE.get(case, f"no row for {case}")
 
 
 def check_gates(probe: Probe) -> str:
