@@ -109,9 +109,8 @@ def _task3_clock(run: _Run) -> None:
         stepped = [a not in skips for a in range(attempts)]
         where = f"输入 {c}（{attempts} 次尝试，跳过 {list(skips) or '无'}）"
         out = _tuple(where, run.call(where, list(stepped), base_lr, dict(wsd)), ("lrs", "logged"))
-        lrs_ref = replay_schedule(
-            stepped, int, base_lr, **wsd
-        )  # transformers' WSD, stepped on effective updates
+        # transformers' WSD scheduler, stepped after effective updates only
+        lrs_ref = replay_schedule(stepped, int, base_lr, **wsd)
         logged_ref = logged_steps(stepped)
         lrs, logged = list(out[0]), list(out[1])
         if len(lrs) != attempts or len(logged) != attempts:
