@@ -106,3 +106,16 @@ def test_format_table_aligns_columns():
         "-1.5e-05  nan or not",
         "      12  b",
     ]
+    # a column of numbers with placeholders where a number is unknown ("—", "null", None, "") is still numbers
+    # (right-aligned); a column of placeholders alone, or placeholders among words, is not
+    text = display.format_table(
+        ["recipe", "predicted", "measured", "gpu", "note"],
+        [["fp32", 16, "—", "null", "—"], ["bf16", None, 8, "null", "words"], ["fp16", "", "null", None, "x"]],
+    )
+    assert text.splitlines() == [
+        "recipe  predicted  measured  gpu   note",
+        "------  ---------  --------  ----  -----",
+        "fp32           16         —  null  —",
+        "bf16         None         8  null  words",
+        "fp16                   null  None  x",
+    ]

@@ -33,6 +33,7 @@ __all__ = [
     "ShortTraceback",
     "progress_mode",
     "progress",
+    "PLACEHOLDERS",
     "format_table",
 ]
 
@@ -159,6 +160,9 @@ def progress(iterable: Iterable, *, desc: str = "", total: int | None = None, un
     )
 
 
+PLACEHOLDERS = ("—", "-", "null", "None", "")  # what a table prints where a number is unknown or does not apply
+
+
 def _is_number(cell) -> bool:
     """An int or float (not a bool), or a string that reads as one: what `checks.num` or f"{x:.2e}" print."""
     if isinstance(cell, str):
@@ -170,17 +174,27 @@ def _is_number(cell) -> bool:
     return isinstance(cell, (int, float)) and not isinstance(cell, bool)
 
 
+def _is_placeholder(cell) -> bool:
+    """None, or a string that stands where a number is unknown or does not apply (`PLACEHOLDERS`)."""
+    return cell is None or isinstance(cell, str) and cell.strip() in PLACEHOLDERS
+
+
 def format_table(header: list[str], rows: list[list]) -> str:
     """A plain-text table with columns padded to their widest cell.
 
-    Integers get thousands separators; a column whose cells are all numbers (or numbers already
-    printed as strings) is right-aligned, any other column left-aligned; headers always left.
+    Integers get thousands separators; a column of numbers (or numbers already printed as strings) is
+    right-aligned, also where some of its cells are placeholders (None, "—", "null": `PLACEHOLDERS`); any
+    other column is left-aligned; headers always left.
     """
     cells = [[str(c) for c in header]] + [
         [f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else str(c) for c in row] for row in rows
     ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [all(_is_number(row[i]) for row in rows) for i in range(len(header))]
+    numeric = [
+        all(_is_number(row[i]) or _is_placeholder(row[i]) for row in rows)
+        and any(_is_number(row[i]) for row in rows)
+        for i in range(len(header))
+    ]
     lines = []
     for j, r in enumerate(cells):
         lines.append(
