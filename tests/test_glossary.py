@@ -113,6 +113,39 @@ def test_every_code_name_is_a_name_the_package_uses():
     assert unused == [], f"glossary code names no identifier in trainmech/ uses: {unused}"
 
 
+def test_every_name_in_the_readme_vocabulary_table_exists_in_its_modules():
+    """The README's table of the package's vocabulary (module | concept | main names): each main name is an
+    attribute of one of its row's modules (`Class.attr` followed; `plots.x` on the plots package; a call's
+    arguments and the `<op>_…` pattern are not names)."""
+    import importlib
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("### The package's vocabulary") :].split("\n### ")[0]
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 20, "the vocabulary table was not found"
+    missing = []
+    for modules, _, names in rows:
+        found = [
+            importlib.import_module("trainmech." + m.rstrip("/")) for m in re.findall(r"`([^`]+)`", modules)
+        ]
+        for span in re.findall(r"`([^`]+)`", names):
+            name = re.split(r"[(\s]", span)[0]
+            if not name or name.startswith("<"):
+                continue
+            parts = name.split(".")
+            if not any(_attribute(m, parts) or _attribute(m, parts[1:]) for m in found):
+                missing.append(name)
+    assert missing == [], f"README vocabulary names that no module of their row defines: {missing}"
+
+
+def _attribute(obj, parts: list[str]) -> bool:
+    for part in parts:
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return bool(parts)
+
+
 def test_data_abbreviations_and_forms():
     assert {t.en for t in TERMS if t.abbreviation_ok} == {"Autograd", "VJP"}
     memory = term("allocated_reserved")
