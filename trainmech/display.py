@@ -160,13 +160,8 @@ def progress(iterable: Iterable, *, desc: str = "", total: int | None = None, un
     )
 
 
-PLACEHOLDERS = (
-    "—",
-    "-",
-    "null",
-    "None",
-    "",
-)  # what a table prints where a number is unknown or does not apply
+# what a table prints where a number is unknown or does not apply
+PLACEHOLDERS = ("—", "-", "null", "None", "")
 
 
 def _is_number(cell) -> bool:
