@@ -607,6 +607,19 @@ def test_an_offload_that_raises_lets_go_of_the_host_arena(gw):
     assert len(offloading.collect()) == 1  # only the run that finished is kept
 
 
+def test_window_transfers_counts_what_one_window_moves_and_leaves_no_gradients(gw):
+    """One stat per micro-batch; under checkpointing the offload sees only the layers' inputs (less, but some);
+    with every layer inside the prefetch window nothing is fetched on demand; a probe leaves no gradients behind."""
+    alone = candidates.window_transfers(gw, candidates.Offloading(min_bytes=4096, prefetch_groups=2))
+    inside = candidates.window_transfers(
+        gw, candidates.Offloading(min_bytes=4096), candidates.activation_checkpointing
+    )
+    assert len(alone) == len(gw.windows[0]) == len(inside)
+    assert 0 < sum(s.d2h_bytes for s in inside) < sum(s.d2h_bytes for s in alone)
+    assert all(s.on_demand == 0 and s.prefetched == s.offloaded > 0 for s in alone)  # 2 layers, window 2
+    assert all(p.grad is None for p in gw.model.parameters())
+
+
 def test_the_loss_scale_calibration_starts_from_the_runs_seed(gw):
     """Its backwards draw the dropout masks: seeded first, the start scale and the run do not depend on what drew
     random numbers before."""
