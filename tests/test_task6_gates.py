@@ -11,6 +11,7 @@ rules are checked at their boundaries on plain numbers, the gates on small hand-
 from __future__ import annotations
 
 import dataclasses
+import re
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -31,6 +32,7 @@ from trainmech import (
     workload,
 )
 from trainmech.errors import TrainmechError
+from trainmech.results import REPO_ROOT
 
 pytestmark = pytest.mark.task6
 
@@ -415,6 +417,16 @@ def test_tolerances_rise_with_the_reference_noise_and_follow_the_training_moveme
     )
 
 
+def test_the_float32_tolerance_says_what_applies_on_the_device_that_ran(reference):
+    """Bitwise reruns (a CPU): float32's room for reordered sums is named unused; a noisy rerun below the table's
+    value (a GPU's atomics): the table's reason; a noisier one: the raised tolerance's."""
+    bitwise = gates.NoiseFloor(grad_self=0.0, grad_seed=0.5, quality_self=0.0, quality_seed=0.1)
+    atomics = replace(bitwise, grad_self=1e-7)
+    assert gates.tolerances("float32", reference.trace, bitwise).grad_from == gates.BITWISE_FLOAT32_FROM
+    assert gates.tolerances("float32", reference.trace, atomics).grad_from == gates.GRAD_RTOL_FROM["float32"]
+    assert gates.tolerances("float16", reference.trace, bitwise).grad_from == gates.GRAD_RTOL_FROM["float16"]
+
+
 def test_a_candidate_off_the_reference_trajectory_is_judged_from_the_references_weights(gw, reference):
     """The teacher-forced pass: a recipe change moves the weights, yet gate 2 sees equal gradients."""
     eps = PLANTED["recipe-change"][0]
@@ -593,6 +605,19 @@ def test_an_offload_that_raises_lets_go_of_the_host_arena(gw):
         loss.backward()
     gw.model.zero_grad(set_to_none=True)
     assert len(offloading.collect()) == 1  # only the run that finished is kept
+
+
+def test_window_transfers_counts_what_one_window_moves_and_leaves_no_gradients(gw):
+    """One stat per micro-batch; under checkpointing the offload sees only the layers' inputs (less, but some);
+    with every layer inside the prefetch window nothing is fetched on demand; a probe leaves no gradients behind."""
+    alone = candidates.window_transfers(gw, candidates.Offloading(min_bytes=4096, prefetch_groups=2))
+    inside = candidates.window_transfers(
+        gw, candidates.Offloading(min_bytes=4096), candidates.activation_checkpointing
+    )
+    assert len(alone) == len(gw.windows[0]) == len(inside)
+    assert 0 < sum(s.d2h_bytes for s in inside) < sum(s.d2h_bytes for s in alone)
+    assert all(s.on_demand == 0 and s.prefetched == s.offloaded > 0 for s in alone)  # 2 layers, window 2
+    assert all(p.grad is None for p in gw.model.parameters())
 
 
 def test_the_loss_scale_calibration_starts_from_the_runs_seed(gw):
@@ -780,6 +805,18 @@ def test_gradients_gate_refuses_another_dtype_and_non_finite_gradients():
     ref = grads_trace({"a": [1.0]})
     tol = gates.Tolerances(1e-4, 1.0, "", "")
     assert "ran other dtypes" in gates.gradients_gate(ref, grads_trace({"a": [1.0]}), "float16", tol).message
+    head = replace(
+        grads_trace({"a": [1.0]}),
+        linear_dtypes={"model.layers.0.mlp.up_proj": ["float32"], "lm_head": ["float16"]},
+    )
+    said = gates.gradients_gate(
+        ref, head, "float16", tol
+    )  # the claimed dtype in the head alone: named at the end
+    assert said.message.endswith("; float16 ran in lm_head") and said.evidence["claimed_ran_in"] == [
+        "lm_head"
+    ]
+    none = replace(head, linear_dtypes={"model.layers.0.mlp.up_proj": ["float32"], "lm_head": ["float32"]})
+    assert gates.gradients_gate(ref, none, "float16", tol).message.endswith("; float16 ran in none of them")
     assert not gates.gradients_gate(ref, grads_trace({"a": [float("nan")]}), "float32", tol).passed
     stopped = replace(grads_trace({"a": [1.0]}), grads=[], error="attempt 0, backward: X")
     assert not gates.gradients_gate(ref, stopped, "float32", tol).passed
@@ -959,6 +996,50 @@ def test_decide_judges_the_allocated_peak_and_reports_the_reserved_one_beside_it
     assert outcome == "accept" and "reserved +5.8%, reported, not judged" in reason
     assert "allocated peak -5.0%" in reason
     assert gates.decide(passed, perf(median=1.2, peak=10_300, reserved=10_400, per_row=40), ref)[0] == "tune"
+
+
+def test_rule_inputs_are_what_decide_judges_and_the_ledger_predicts_them_for_the_gpu_shape():
+    measured = gates.rule_inputs(
+        perf(median=1.2, peak=9_500, reserved=11_000, per_row=40), perf(peak=10_000, reserved=10_400)
+    )
+    assert measured.update_drop == pytest.approx(0.05) and measured.capacity_gain == pytest.approx(0.6)
+    assert measured.time_ratio == pytest.approx(1.2) and measured.reserved_change == pytest.approx(
+        11_000 / 10_400 - 1
+    )
+    spec = profiles.for_mode("TRAIN-CUDA-MECHANISM").workload("b4s256_gates")
+    predicted = gates.ledger_inputs(
+        spec, "checkpoint"
+    )  # the whole update peaks in the optimizer step: d small, c large
+    assert (
+        predicted.phase == "optimizer"
+        and predicted.update_drop < gates.RULE.min_peak_drop <= predicted.capacity_gain
+    )
+    assert predicted.time_ratio is None and spec.model in predicted.shape
+    assert (
+        gates.ledger_inputs(spec, "baseline").update_drop
+        == 0
+        == gates.ledger_inputs(spec, "baseline").capacity_gain
+    )
+
+
+def test_the_planted_bugs_are_numbered_once_across_the_page_and_its_table():
+    """Task6 names each planted bug "埋入错误 N" in the order the page plants it, and its summary table numbers its
+    rows the same way: as many rows as headings, numbered from 1 in order."""
+    twin = (REPO_ROOT / "notebooks" / "text" / "Task6_gates_evidence.md").read_text(encoding="utf-8")
+    numbers = [int(n) for n in re.findall(r"\*\*埋入错误 (\d+)：", twin)]
+    table = twin[twin.index("PLANTED = {") : twin.index("\n}\n", twin.index("PLANTED = {"))]
+    rows = re.findall(r'^    "[^"\n]+": \("(?:inputs|gradients|updates|quality)"', table, flags=re.M)
+    assert numbers == list(range(1, len(rows) + 1)) and len(rows) > 0
+
+
+def test_the_gradient_error_figure_names_the_floor_of_its_scale():
+    from trainmech import plots
+
+    fig = plots.grad_errors(
+        ["a", "b"], {"x": [1e-6, 1e-5]}, {"x": 1e-4}, against="the reference run", floor=gates.GRAD_FLOOR
+    )
+    assert f"{gates.GRAD_FLOOR:g} x the largest |the reference run|" in fig.axes[0].get_xlabel()
+    assert "max(" not in plots.grad_errors(["a"], {"x": [1e-6]}, {"x": 1e-4}).axes[0].get_xlabel()
 
 
 def test_timing_counts_default_by_device_and_keep_what_is_given():

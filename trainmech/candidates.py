@@ -56,6 +56,7 @@ __all__ = [
     "gate_workload",
     "fixed_batch_workload",
     "calibrated_scale",
+    "window_transfers",
 ]
 
 MAX_SCALE_HALVINGS = 40  # FP16 loss-scale calibration gives up below 2**16 / 2**40
@@ -411,3 +412,21 @@ def calibrated_scale(candidate: Candidate, workload: GateWorkload) -> tuple[floa
         return state.scaler.get_scale(), halvings
     finally:
         state.close()
+
+
+# ----------------------------------------------------------------------------- offload: what one window moves
+
+
+def window_transfers(workload: GateWorkload, offloading: Offloading, *contexts) -> list:
+    """A probe, no update: one forward + backward of the workload's first window from the initial weights, the
+    offload hooks inside `contexts` (activation_checkpointing: what the offload still sees under checkpointing);
+    the TransferStats of each micro-batch (bytes each way, storages fetched ahead or on demand)."""
+    probe = candidate("probe", "TRAIN-OFFLOAD", *contexts, offloading)
+    with workload.running():
+        state = workload.fresh_state(probe)
+        try:
+            probe.backward(state, workload.windows[0])
+        finally:
+            state.close()
+            workload.model.zero_grad(set_to_none=True)
+    return offloading.collect()

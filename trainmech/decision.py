@@ -24,6 +24,9 @@ __all__ = [
     "DecisionRule",
     "RULE",
     "timing_spread",
+    "RuleInputs",
+    "rule_inputs",
+    "ledger_inputs",
     "decide_measured",
     "decide",
 ]
@@ -77,6 +80,65 @@ def timing_spread(reference: Performance) -> float:
     return max(reference.step_time_p95_s / reference.step_time_median_s - 1, 0.0)
 
 
+@dataclass(frozen=True)
+class RuleInputs:
+    """The numbers `decide_measured` judges, from a candidate's measurements beside the reference's (`rule_inputs`)
+    or predicted by the ledger (`ledger_inputs`; no time there: `time_ratio` None)."""
+
+    update_drop: float  # d: 1 - the whole update's allocated peak / the reference's
+    capacity_gain: float  # c: 1 - the bytes one more sequence adds / the reference's
+    time_ratio: float | None = None  # r: median update / the reference's
+    reserved_change: float | None = None  # the reserved peak / the reference's - 1: reported, not judged
+    phase: str | None = None  # the ledger's: where the candidate's whole-update peak sits
+    shape: str = ""  # the ledger's: the model and one micro-batch, in words
+
+
+def rule_inputs(perf: Performance, reference: Performance) -> RuleInputs:
+    """d, c, r (and the reserved peak's change) of a candidate measured on a GPU beside the reference."""
+    return RuleInputs(
+        1 - perf.peak_allocated_bytes / reference.peak_allocated_bytes,
+        1 - perf.bytes_per_row / reference.bytes_per_row,
+        perf.step_time_median_s / reference.step_time_median_s,
+        perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1,
+    )
+
+
+def ledger_inputs(spec, strategy: str) -> RuleInputs:
+    """d and c the ledger predicts for `strategy` against the baseline on a CUDA workload `spec`
+    (profiles.Workload: model, batch, seq, micro_batches): a steady update with foreach AdamW, one micro-batch
+    of it as the second of a window (the gradients already exist); c from the forward + backward peak at 2 and 4 times
+    the micro-batch's rows, per added row, as `performance.remeasure` measures it."""
+    from trainmech import ledger  # imported here: the rule itself needs no model shapes
+
+    rows = spec.batch // spec.micro_batches[0]
+
+    def book(name: str, batch_rows: int):
+        return ledger.scenario_ledger(
+            spec.model,
+            batch_rows,
+            spec.seq,
+            strategy=name,
+            update="steady",
+            device="cuda",
+            micro_batches=2,
+            micro_batch=2,
+        )  # micro-batch 2 of 2: the window's gradients already exist
+
+    def per_row(name: str) -> float:
+        return (
+            book(name, 4 * rows).forward_backward_peak().bytes
+            - book(name, 2 * rows).forward_backward_peak().bytes
+        ) / (2 * rows)
+
+    ours, base = book(strategy, rows).peak_overlap(), book("baseline", rows).peak_overlap()
+    return RuleInputs(
+        1 - ours.bytes / base.bytes,
+        1 - per_row(strategy) / per_row("baseline"),
+        phase=ours.phase,
+        shape=f"{spec.model}, micro-batch {rows} x {spec.seq}",
+    )
+
+
 def decide_measured(
     update_drop: float,
     capacity_gain: float,
@@ -124,10 +186,13 @@ def decide(
             "no gate failed; accept, tune, no-gain or costs-memory needs allocator peaks and step times measured on a GPU "
             "(TRAIN-CUDA-MECHANISM), and this run has none"
         )
-    update = 1 - perf.peak_allocated_bytes / reference.peak_allocated_bytes
-    capacity = 1 - perf.bytes_per_row / reference.bytes_per_row
-    ratio = perf.step_time_median_s / reference.step_time_median_s
-    reserved = perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1
+    measured = rule_inputs(perf, reference)
+    update, capacity, ratio, reserved = (
+        measured.update_drop,
+        measured.capacity_gain,
+        measured.time_ratio,
+        measured.reserved_change,
+    )
     noise = timing_spread(reference)
     speedup = max(rule.min_speedup, noise)
     return decide_measured(update, capacity, ratio, rule, noise), (

@@ -58,8 +58,11 @@ from trainmech.decision import (
     RECORD_DECISION,
     RULE,
     DecisionRule,
+    RuleInputs,
     decide,
     decide_measured,
+    ledger_inputs,
+    rule_inputs,
     timing_spread,
 )
 from trainmech.tolerances import *  # noqa: F403  re-exported: gates.GRAD_RTOL, gates.make_reference, …
@@ -95,6 +98,9 @@ __all__ = [
     "DecisionRule",
     "RULE",
     "timing_spread",
+    "RuleInputs",
+    "rule_inputs",
+    "ledger_inputs",
     "decide_measured",
     "decide",
     *_tolerances.__all__,
@@ -244,6 +250,12 @@ def gradients_gate(
             if off
             else "no Linear module ran"
         )
+        claimed_in = [n for n, ran_as in candidate.linear_dtypes.items() if claimed_dtype in ran_as]
+        evidence["claimed_ran_in"] = claimed_in
+        named = ", ".join(claimed_in[:3]) + (
+            f" and {len(claimed_in) - 3} more" if len(claimed_in) > 3 else ""
+        )
+        where += f"; {claimed_dtype} ran in {named or 'none of them'}"  # what tells two such candidates apart
         return Verdict("gradients", False, evidence, f"claims {claimed_dtype}, but {where}")
     windows = compared_windows(ref, candidate)
     if not windows:

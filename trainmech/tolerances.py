@@ -24,6 +24,7 @@ from trainmech.tracing import Trace, all_finite, run_trace
 __all__ = [
     "GRAD_RTOL",
     "GRAD_RTOL_FROM",
+    "BITWISE_FLOAT32_FROM",
     "GRAD_FLOOR",
     "QUALITY_FRACTION",
     "NOISE_MULTIPLE",
@@ -50,6 +51,7 @@ GRAD_RTOL_FROM = {  # what each tolerance is sized for (a verdict's `rtol_from`)
     "float16": "float16 rounding",
     "bfloat16": "bfloat16 rounding",
 }
+BITWISE_FLOAT32_FROM = "float32: room left for reordered sums, unused here: the reference reran bitwise"
 GRAD_FLOOR = 1e-3  # a parameter's scale is at least GRAD_FLOOR x the largest gradient of all: no noise ratios
 # Gate 4: |held-out token loss of candidate - reference| after the same effective updates, as a fraction of
 # how far training moved the reference's held-out loss: a candidate may not change the training outcome by
@@ -131,13 +133,15 @@ def noise_floor(reference: Candidate, workload: GateWorkload, ref_trace: Trace) 
 class Tolerances:
     grad_rtol: float
     quality_bound: float  # nats
-    grad_from: str  # GRAD_RTOL_FROM[dtype], or "10 x run-to-run noise"
+    grad_from: str  # GRAD_RTOL_FROM[dtype], BITWISE_FLOAT32_FROM, or "10 x run-to-run noise"
     quality_from: str
 
 
 def tolerances(dtype: str, ref: Trace, floor: NoiseFloor | None = None) -> Tolerances:
     """Gate 2's and gate 4's tolerances for a dtype: from the dtype, raised to NOISE_MULTIPLE x the reference's
-    run-to-run noise where that is larger (a GPU's atomics); quality as a fraction of the training movement."""
+    run-to-run noise where that is larger (a GPU's atomics); quality as a fraction of the training movement.
+    `grad_from` says what applies on the device that ran: float32's room for reordered sums is named unused
+    where the reference reran bitwise (a CPU)."""
     grad, grad_from = GRAD_RTOL[dtype], GRAD_RTOL_FROM[dtype]
     quality, quality_from = (
         QUALITY_FRACTION[dtype] * movement(ref),
@@ -145,6 +149,10 @@ def tolerances(dtype: str, ref: Trace, floor: NoiseFloor | None = None) -> Toler
     )
     if floor is not None and NOISE_MULTIPLE * floor.grad_self > grad:
         grad, grad_from = NOISE_MULTIPLE * floor.grad_self, f"{NOISE_MULTIPLE} x run-to-run noise"
+    elif (
+        floor is not None and floor.grad_self == 0 and dtype == "float32"
+    ):  # what applies where the rerun was bitwise
+        grad_from = BITWISE_FLOAT32_FROM
     if floor is not None and NOISE_MULTIPLE * floor.quality_self > quality:
         quality, quality_from = NOISE_MULTIPLE * floor.quality_self, f"{NOISE_MULTIPLE} x run-to-run noise"
     return Tolerances(grad, quality, grad_from, quality_from)

@@ -280,6 +280,8 @@ NOTEBOOK_CELLS = {
     "not yet calibrated on a GPU",
     "Task6:strategy-table": "the exact moved layer inputs are claimed on CPU only, the tracked-bytes identity of "
     "checkpoint+offload on CPU only and only where the prefetch window covers every layer",
+    "Task6:quality-gate-adam-eps": "the float32 candidates' held-out loss bitwise equal to the reference's is claimed on "
+    "CPU only (a GPU's atomics may reorder sums: there the quality table reads within)",
     "Task6:performance-rule": "the checkpoint candidate's measured capacity gain against the rule's min_peak_drop, beside "
     "the ledger's prediction and the allocated and reserved changes (CPU: the prediction alone, no claim)",
     "Task6:outcomes": "the offload's per-sequence bytes equal the reference's on CPU only and only where the prefetch "

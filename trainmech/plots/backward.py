@@ -52,12 +52,14 @@ def grad_errors(
     tolerances: dict[str, float | None],
     *,
     against: str = "autograd",
+    floor: float | None = None,
 ):
     """Relative error of every parameter's gradient against a reference (`against`: autograd in Task2, the
     reference run in Task6), one marker series per comparison (log scale, parameters listed top to bottom
     in model order, readable names). A series with a tolerance gets it as a dashed line of its colour, named
     in the legend; one without (a planted bug) is drawn as red crosses, so the gap between a rounding error
-    and a wrong formula reads off one axis."""
+    and a wrong formula reads off one axis. `floor`: the errors' scale is at least this share of the largest
+    reference gradient of all (Task6's gates.GRAD_FLOOR), and the axis label says so."""
     fig, (ax,) = figure(1, 7.6, max(3.6, 0.2 * len(names) + 1.2))
     rows = list(range(len(names)))
     for (label, values), colour in zip(errors.items(), ("tab:blue", "tab:orange", "tab:red")):
@@ -76,7 +78,12 @@ def grad_errors(
     ax.invert_yaxis()
     ax.set(
         xscale="log",
-        xlabel=f"max|Δ| / max|{against}|  (dashed: each series' tolerance)",
+        xlabel=(
+            f"max|Δ| / max(max|{against}|, {floor:g} x the largest |{against}| of all parameters)\n"
+            if floor is not None  # a parameter's scale is floored: the label says by what
+            else f"max|Δ| / max|{against}|  "
+        )
+        + "(dashed: each series' tolerance)",
         title=f"every parameter gradient vs {against}",
     )
     fig.legend(loc="outside lower center", ncols=min(len(errors) * 2, 4), fontsize=7, frameon=False)
