@@ -302,7 +302,7 @@ def gradients_gate(
             "gradients",
             False,
             evidence,
-            f"window {k}: {over} of {len(everywhere)} parameters over {bound(k):.0e}; "
+            f"attempt {k}: {over} of {len(everywhere)} parameters over {bound(k):.0e}; "
             f"worst {name} at {per_window[k][name]:.1e}{_not_an_overflow(candidate, k)}",
         )
     return Verdict(
