@@ -1,7 +1,8 @@
 """gpu-check's package checks of the memory strategies, the gates and Task5's records.
 
 Each runs one CUDA-only branch at small sizes on a `Probe` (trainmech.gpucheck.probe): activation
-offload on CUDA streams (its hooks never synchronising), torch's save_on_cpu timed by CUDA events, a
+offload on CUDA streams (its hooks never synchronising, its copies on the side streams overlapping
+kernels, its D2H copies hidden behind a stalled compute stream), torch's save_on_cpu timed by CUDA events, a
 checkpoint candidate judged through the gates (the CUDA RNG, the allocator's peaks, accept / tune /
 no-gain / costs-memory), and Task5's strategy records. Every strategy's gradients are held to the baseline's: bitwise
 on a CPU, within 1e-4 of each gradient's scale on CUDA.
@@ -9,8 +10,12 @@ on a CPU, within 1e-4 of each gradient's scale on CUDA.
 
 from __future__ import annotations
 
+import json
 import statistics
+import tempfile
+import time
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 
@@ -52,10 +57,113 @@ def _never_syncing(hooks):
     return hooks
 
 
+# First guesses, not yet measured on a GPU (gpu-check prints them beside what it found): behind a compute stream
+# kept busy for twice the step's D2H copy time at every layer, at least this share of the D2H copy time must run
+# while the compute stream is busy, and the compute stream's D2H waits must stay under this share of it.
+HIDDEN_BEHIND_STALL_FRACTION = 0.5
+D2H_WAIT_FRACTION = 0.05
+
+
+def _sleep_rate() -> float:
+    """Cycles per second of torch.cuda._sleep on this GPU, timed by events (once, outside every step)."""
+    cycles, rates = 10_000_000, []
+    for _ in range(2):  # the first may carry the launch's start-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        rates.append(cycles / (start.elapsed_time(end) / 1e3))
+    return rates[-1]
+
+
+def _stalling(hooks, seconds: float, rate: float | None) -> list[tuple]:
+    """Make the compute stream busy for about `seconds` right after each layer group starts (a stand-in for
+    compute the copies of the group before can hide behind): CUDA, torch.cuda._sleep queued on it (the host
+    does not wait); HostStreams, the host sleeps. Returns the list the (start, end) events of each stall go to."""
+    backend, stalls, start_group = hooks.copies.streams, [], hooks._start_group
+
+    def then_stall(group: int) -> None:
+        start_group(group)
+        begin = backend.mark(backend.compute())
+        if rate is None:
+            time.sleep(seconds)
+        else:
+            torch.cuda._sleep(int(seconds * rate))
+        stalls.append((begin, backend.mark(backend.compute())))
+
+    hooks._start_group = then_stall
+    return stalls
+
+
+def _profiled(model, batch, hooks, cuda: bool) -> dict:
+    """One forward + backward under `hooks` inside torch.profiler (CUDA activity on a GPU): its trace as JSON."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        forward_backward(model, batch, hooks)
+        hooks.finish()
+        if cuda:
+            torch.cuda.synchronize()  # every device event of the step is in the trace
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _overlap_claims(probe: Probe, profiled, trace: dict, stalled, stalls: list, origin) -> str:
+    """Did the copies run while the compute stream worked? From the profiled step's trace (kernels against copies
+    on the side streams) and from the stalled step's events (D2H copies against the stalls)."""
+    from trainmech.errors import TrainmechError
+    from trainmech.offload.overlap import overlap, trace_intervals
+
+    s = stalled.copies.streams
+    behind = overlap(
+        stalled.copies.intervals(origin, "d2h"),
+        [(s.seconds(origin, a), s.seconds(origin, b)) for a, b in stalls],
+    )
+    st, wait = profiled.stats, stalled.stats.d2h_wait_s
+    if not probe.cuda:  # the host copies in line with its work: nothing hides, and no trace has a kernel
+        require(
+            behind.copy_s > 0 and behind.compute_s > 0 and behind.hidden_s == 0,
+            f"on a CPU every copy runs in line, yet {behind.hidden_s * 1e3:.3f} ms of the D2H copies' "
+            f"{behind.copy_s * 1e3:.3f} ms ran during the host's stalls",
+        )
+        try:
+            trace_intervals(trace)
+        except TrainmechError as refused:
+            return f"no copy ran during the stalls (a CPU copies in line); a CPU trace refused: {refused}"
+        require(False, "trace_intervals read copies and kernels from a CPU-only profiler trace")
+    copies, compute = trace_intervals(trace)
+    seen = overlap(copies, compute)
+    require(
+        copies and seen.hidden_s > 0 and st.exposed_transfer_time_s < st.transfer_time_s,
+        f"profiled step: {len(copies)} side-stream copies, {seen.hidden_s * 1e6:.1f} of {seen.copy_s * 1e6:.1f} us "
+        f"during kernels; exposed {st.exposed_transfer_time_s * 1e6:.1f} of {st.transfer_time_s * 1e6:.1f} us",
+    )
+    require(
+        behind.copy_s > 0
+        and behind.hidden_fraction >= HIDDEN_BEHIND_STALL_FRACTION
+        and wait <= D2H_WAIT_FRACTION * behind.copy_s,
+        f"stalled step: {behind.hidden_fraction:.0%} of the D2H copies' {behind.copy_s * 1e6:.1f} us ran during "
+        f"the stalls (first-guess floor {HIDDEN_BEHIND_STALL_FRACTION:.0%}), the compute stream waited "
+        f"{wait * 1e6:.1f} us for them (first-guess ceiling {D2H_WAIT_FRACTION:.0%} of it)",
+    )
+    return (
+        f"profiled step: {seen.hidden_s * 1e6:.1f} of {seen.copy_s * 1e6:.1f} us of side-stream copies during "
+        f"kernels, exposed {st.exposed_transfer_time_s * 1e6:.1f} of {st.transfer_time_s * 1e6:.1f} us; stalled step: "
+        f"{behind.hidden_fraction:.0%} of the D2H copy time behind the stalls (floor {HIDDEN_BEHIND_STALL_FRACTION:.0%}, "
+        f"a first guess), D2H waits {wait * 1e6:.1f} us (ceiling {D2H_WAIT_FRACTION:.0%} of the copy time, a first guess)"
+    )
+
+
 def check_offload(probe: Probe) -> str:
     """The CUDA copy path (CudaCopies): on a GPU with CUDA streams, its second step's hooks and finish() under
-    the sync debug mode "error"; on a CPU with HostStreams (every copy done at once, every stream call logged,
-    the log checked for order), the sync debug mode skipped (there is no device to wait for)."""
+    the sync debug mode "error", a third step profiled (copies on the side streams during kernels) and a fourth
+    with the compute stream stalled at every layer (the D2H copies hide behind the stalls); on a CPU with
+    HostStreams (every copy done at once, every stream call logged, the log checked for order) the same four
+    steps, the sync debug mode skipped (there is no device to wait for), nothing hidden (a CPU copies in line)."""
     from trainmech.offload import HostStreams, activation_offload
 
     model = probe.model()
@@ -63,17 +171,27 @@ def check_offload(probe: Probe) -> str:
     ref = forward_backward(model, batch)
     hidden = probe.batch * probe.seq * model.config.hidden_size * 4
     streams = None if probe.cuda else HostStreams()
+    rate = _sleep_rate() if probe.cuda else None
     runs, offloads, starts = [], [], []
-    for step in range(2):  # the second step must reuse the first one's host arena
+    for step in range(4):  # the steps after the first reuse its host arena
         starts.append(len(streams.log) if streams else 0)
         hooks = activation_offload(
             model, min_bytes=hidden // 4, exempt_last=0, prefetch_groups=1, streams=streams
         )
-        guarded = probe.cuda and step == 1  # the step after the arena exists, as every timed update
-        ours = forward_backward(model, batch, _never_syncing(hooks) if guarded else hooks)
-        with _sync_error() if guarded else nullcontext():
-            runs.append(hooks.finish())
-        hooks.read_times()  # the events, after the step (it waits for the device once)
+        if step == 2:
+            trace = _profiled(model, batch, hooks, probe.cuda)
+        else:
+            if step == 3:  # each stall twice the first step's D2H copy time
+                first = offloads[0].copies
+                d2h_s = sum(first.streams.seconds(a, b) for name, a, b in first.copies if name == "d2h")
+                stalls = _stalling(hooks, max(2 * d2h_s, 1e-3), rate)
+                backend = hooks.copies.streams
+                origin = backend.mark(backend.compute())
+            guarded = probe.cuda and step == 1  # the step after the arena exists, as every timed update
+            ours = forward_backward(model, batch, _never_syncing(hooks) if guarded else hooks)
+            with _sync_error() if guarded else nullcontext():
+                hooks.finish()
+        runs.append(hooks.read_times())  # the events, after the step (it waits for the device once)
         offloads.append(hooks)
     st, copies = runs[0], offloads[0].copies
     same, how = same_gradients(probe, ours, ref)
@@ -97,24 +215,18 @@ def check_offload(probe: Probe) -> str:
         len(copies.copies) == st.offloaded + st.prefetched + st.on_demand,
         f"{len(copies.copies)} copies for {st.offloaded} offloaded + {st.prefetched + st.on_demand} fetched",
     )
-    require(
-        st.transfer_time_s is not None and st.transfer_time_s > 0 and st.exposed_transfer_time_s is not None,
-        f"transfer times {st.transfer_time_s} / {st.exposed_transfer_time_s}",
-    )
+    require(st.transfer_time_s is not None and st.transfer_time_s > 0, f"transfer time {st.transfer_time_s}")
+    hidden_line = _overlap_claims(probe, offloads[2], trace, offloads[3], stalls, origin)
     if probe.cuda:
-        times = f"copies {st.transfer_time_s * 1e3:.2f} ms, exposed {st.exposed_transfer_time_s * 1e3:.2f} ms"
         syncs = "the second step's hooks and finish() never synchronise (sync debug mode 'error')"
     else:
         bounds = zip(starts, [*starts[1:], len(streams.log)])
         problems = [p for start, stop in bounds for p in streams.out_of_order(start, stop)]
         require(not problems, "; ".join(problems[:3]))
-        times = (
-            f"{len(streams.log)} stream calls in order, host-clock copies {st.transfer_time_s * 1e3:.2f} ms"
-        )
-        syncs = "sync debug mode skipped (CUDA only)"
+        syncs = f"{len(streams.log)} stream calls in order; sync debug mode skipped (CUDA only)"
     return (
         f"gradients equal ({how}); {st.offloaded} storages, {st.d2h_bytes:,} B each way, {st.prefetched} prefetched, "
-        f"arena reused; {times}; {syncs}"
+        f"arena reused; {hidden_line}; {syncs}"
     )
 
 
@@ -131,7 +243,8 @@ def _saved_references(model, batch) -> list[int]:
 
 
 # save_on_cpu's copies queue on the compute stream; a step under it must take at least this share of their summed
-# time longer than the plain step (not all of it: the plain step's launch gaps can absorb a little)
+# time longer than the plain step (not all of it: the plain step's launch gaps can absorb a little). A first guess,
+# not yet measured on a GPU; gpu-check prints it with its finding.
 SERIAL_COPY_FRACTION = 0.5
 
 
@@ -186,7 +299,12 @@ def check_save_on_cpu(probe: Probe) -> str:
         )
     return (
         f"gradients equal ({how}); every one of {len(saved)} saved references moved, {st.d2h_bytes:,} B each way"
-        + (f", {st.transfer_time_s * 1e3:.2f} ms of copies" if probe.cuda else "")
+        + (
+            f", {st.transfer_time_s * 1e3:.2f} ms of copies, the step {(moved_s - plain_s) * 1e3:.2f} ms longer "
+            f"(floor {SERIAL_COPY_FRACTION:.0%} of the copy time, a first guess)"
+            if probe.cuda
+            else ""
+        )
     )
 
 
