@@ -37,7 +37,9 @@ __all__ = [
     "PEAK_FIELD",
     "record_lines",
     "timing_table",
+    "alive_at",
     "saved_outside_layers",
+    "saved_gone_before",
 ]
 
 MEASURED_WITH = {
@@ -298,15 +300,34 @@ def timing_table(runs: dict[str, StrategyRun]) -> str:
     return format_table(header, rows)
 
 
-def saved_outside_layers(book: ledger.Ledger, tick: str) -> dict[str, int]:
-    """The ledger's saved states alive at `tick` that no decoder layer holds (RoPE's cos / sin, the final norm,
-    the loss's log-softmax, …): name -> bytes, in the ledger's order."""
-    index = {t: k for k, t in enumerate(book.ticks)} | {ledger.BEFORE: -1, ledger.AFTER: len(book.ticks)}
+def _index(book: ledger.Ledger) -> dict[str, int]:
+    return {t: k for k, t in enumerate(book.ticks)} | {ledger.BEFORE: -1, ledger.AFTER: len(book.ticks)}
+
+
+def alive_at(book: ledger.Ledger, tick: str, category: str) -> dict[str, int]:
+    """The ledger's states of one category alive at `tick`: name -> bytes, in the ledger's order."""
+    index = _index(book)
     at = index[tick]
     return {
         st.name: st.nbytes
         for st in book.states
-        if st.category == "saved"
-        and not st.name.startswith("layer.")
-        and index[st.created] <= at <= index[st.released_at]
+        if st.category == category and index[st.created] <= at <= index[st.released_at]
+    }
+
+
+def saved_outside_layers(book: ledger.Ledger, tick: str) -> dict[str, int]:
+    """The ledger's saved states alive at `tick` that no decoder layer holds (RoPE's cos / sin, the final norm,
+    the loss's log-softmax, …): name -> bytes, in the ledger's order."""
+    return {name: n for name, n in alive_at(book, tick, "saved").items() if not name.startswith("layer.")}
+
+
+def saved_gone_before(book: ledger.Ledger, tick: str) -> dict[str, int]:
+    """The ledger's saved states still alive once the forward is over (after its last tick, "loss") but released
+    before `tick`: name -> bytes (what the backward frees before it reaches `tick`)."""
+    index = _index(book)
+    last, at = index["loss"], index[tick]
+    return {
+        st.name: st.nbytes
+        for st in book.states
+        if st.category == "saved" and index[st.created] <= last < index[st.released_at] < at
     }
