@@ -180,7 +180,32 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     assert selective.kept_unread_ops == LAYERS
     # … measured in torch's selective caches after the backward: one unconsumed entry per layer
     assert selective.left_in_cache_ops == LAYERS and full.left_in_cache_ops is None
-    selective.forget_caches()
+    report = C.recompute_report(
+        {"per-layer": full, "selective": selective},
+        dispatched,
+        dispatched,
+        rule=kernel,
+        ran=kernel,
+        device="cpu",
+    )
+    assert f"the ledger's rule says {kernel}; the plain forward dispatched {kernel}" in report
+    row = next(line.split() for line in report.splitlines() if line.startswith("selective "))
+    assert row == [
+        "selective",
+        *map(
+            str,
+            (
+                selective.forward_ops,
+                selective.saved_ops,
+                selective.read_from_cache_ops,
+                selective.kept_unread_ops,
+                selective.recomputed_ops,
+                selective.skipped_ops,
+            ),
+        ),
+    ]
+    assert "recomputed by op (selective, per update)" in report
+    assert selective.forget_caches() == LAYERS  # what it read, before letting the caches go
     assert selective.left_in_cache_ops is None
     assert (
         selective.read_from_cache_ops + selective.recomputed_ops + selective.skipped_ops

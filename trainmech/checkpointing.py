@@ -37,6 +37,7 @@ __all__ = [
     "hf_checkpointing",
     "checkpoint_layers",
     "MATMUL_OPS",
+    "MATMUL_NAMES",
     "save_matmuls",
     "Region",
     "RecomputeCount",
@@ -46,6 +47,7 @@ __all__ = [
     "ATTENTION_OPS",
     "dispatched_kernel",
     "expected_matmul_ops",
+    "recompute_report",
 ]
 
 aten = torch.ops.aten
@@ -145,6 +147,7 @@ _MATMUL_NAMES = (
     "_scaled_dot_product_cudnn_attention",
 )
 MATMUL_OPS = frozenset(getattr(aten, name).default for name in _MATMUL_NAMES if hasattr(aten, name))
+MATMUL_NAMES = frozenset(op.__name__ for op in MATMUL_OPS)  # as the counts name them: "mm.default", …
 
 
 def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -234,10 +237,13 @@ class RecomputeCount:
             for entry in per_op.values()
         )
 
-    def forget_caches(self) -> None:
-        """Drop the references to the selective caches (and the unread outputs in them)."""
+    def forget_caches(self) -> int | None:
+        """Drop the references to the selective caches (and the unread outputs in them); returns what
+        `left_in_cache_ops` read in them just before."""
+        left = self.left_in_cache_ops
         for r in self.regions:
             r.cache = None
+        return left
 
     @property
     def replays_are_prefixes(self) -> bool:
@@ -401,3 +407,52 @@ def expected_matmul_ops(layers: Iterable[torch.nn.Module], kernel: str, device: 
                 out["addmm.default" if m.bias is not None else "mm.default"] += 1
         out.update(ATTENTION_OPS[device, kernel])
     return out
+
+
+def recompute_report(
+    counts: dict[str, RecomputeCount],
+    dispatched: Counter,
+    expected: Counter,
+    *,
+    rule: str,
+    ran: str | None,
+    device: str,
+) -> str:
+    """Task5's printout of recompute counts: the attention kernel (the ledger's rule beside the one dispatched);
+    per strategy, where the forward's ops went in the backward (kept, read from the cache, kept unread,
+    recomputed, skipped by the early stop); the skipped ops by name; what the last strategy recomputed by name;
+    the matmul and attention ops a plain forward dispatched, beside those expected by name."""
+    from trainmech.display import format_table
+
+    header = [
+        "per update",
+        "forward ops",
+        "kept",
+        "read from cache",
+        "kept, unread",
+        "recomputed",
+        "skipped (early stop)",
+    ]
+    rows = [
+        [
+            name,
+            c.forward_ops,
+            c.saved_ops,
+            c.read_from_cache_ops,
+            c.kept_unread_ops,
+            c.recomputed_ops,
+            c.skipped_ops,
+        ]
+        for name, c in counts.items()
+    ]
+    last = list(counts)[-1]
+    return "\n".join(
+        [
+            f"attention kernel: the ledger's rule says {rule}; the plain forward dispatched {ran}",
+            format_table(header, rows),
+            f"skipped by the early stop, by op: { {n: dict(sorted(c.skipped_by_op.items())) for n, c in counts.items()} }",
+            f"recomputed by op ({last}, per update): {dict(sorted(counts[last].recomputed_by_op.items()))}",
+            f"matmul and attention ops one plain forward dispatches in the layers: {dict(sorted(dispatched.items()))}",
+            f"expected by name ({ran or rule} attention on {device}): {dict(sorted(expected.items()))}",
+        ]
+    )
