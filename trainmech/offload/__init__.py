@@ -11,7 +11,7 @@
 - `nominal`: compute or transfer — datasheet link and FP32 rates, and one step's FLOPs.
 """
 
-from trainmech.offload.book import OffloadBook, TransferStats
+from trainmech.offload.book import OffloadBook, TransferStats, describe
 from trainmech.offload.copies import HostArena, HostStreams, host_arena
 from trainmech.offload.hooks import ActivationOffload, activation_offload, restore_check
 from trainmech.offload.nominal import NOMINAL, step_flops
@@ -21,6 +21,7 @@ from trainmech.offload.save_on_cpu import CountingSaveOnCpu, pack_copy_line
 __all__ = [
     "ActivationOffload",
     "activation_offload",
+    "describe",
     "CountingSaveOnCpu",
     "HostArena",
     "HostStreams",
