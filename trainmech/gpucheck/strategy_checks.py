@@ -57,9 +57,10 @@ def _never_syncing(hooks):
     return hooks
 
 
-# First guesses, not yet measured on a GPU (gpu-check prints them beside what it found): behind a compute stream
-# kept busy for twice the step's D2H copy time at every layer, at least this share of the D2H copy time must run
-# while the compute stream is busy, and the compute stream's D2H waits must stay under this share of it.
+# First guesses, not yet measured on a GPU (gpu-check prints them beside what it found): with the compute stream
+# kept busy right after each D2H copy is queued, for twice the longest D2H copy of an earlier step, at least this
+# share of the D2H copy time must run while the compute stream is busy, and the compute stream's D2H waits must
+# stay under this share of the D2H copy time.
 HIDDEN_BEHIND_STALL_FRACTION = 0.5
 D2H_WAIT_FRACTION = 0.05
 
@@ -78,13 +79,14 @@ def _sleep_rate() -> float:
 
 
 def _stalling(hooks, seconds: float, rate: float | None) -> list[tuple]:
-    """Make the compute stream busy for about `seconds` right after each layer group starts (a stand-in for
-    compute the copies of the group before can hide behind): CUDA, torch.cuda._sleep queued on it (the host
-    does not wait); HostStreams, the host sleeps. Returns the list the (start, end) events of each stall go to."""
-    backend, stalls, start_group = hooks.copies.streams, [], hooks._start_group
+    """Keep the compute stream busy for about `seconds` right after each D2H copy is queued (a stand-in for the
+    compute a copy can hide behind): CUDA, torch.cuda._sleep queued on it (the host does not wait); HostStreams,
+    the host sleeps. Returns the list the (start, end) events of each stall go to."""
+    copies, stalls = hooks.copies, []
+    backend, to_host = copies.streams, copies.to_host
 
-    def then_stall(group: int) -> None:
-        start_group(group)
+    def then_stall(entry, storage) -> None:
+        to_host(entry, storage)
         begin = backend.mark(backend.compute())
         if rate is None:
             time.sleep(seconds)
@@ -92,7 +94,7 @@ def _stalling(hooks, seconds: float, rate: float | None) -> list[tuple]:
             torch.cuda._sleep(int(seconds * rate))
         stalls.append((begin, backend.mark(backend.compute())))
 
-    hooks._start_group = then_stall
+    copies.to_host = then_stall
     return stalls
 
 
@@ -161,7 +163,7 @@ def _overlap_claims(probe: Probe, profiled, trace: dict, stalled, stalls: list, 
 def check_offload(probe: Probe) -> str:
     """The CUDA copy path (CudaCopies): on a GPU with CUDA streams, its second step's hooks and finish() under
     the sync debug mode "error", a third step profiled (copies on the side streams during kernels) and a fourth
-    with the compute stream stalled at every layer (the D2H copies hide behind the stalls); on a CPU with
+    with the compute stream stalled after every D2H copy is queued (the copies hide behind the stalls); on a CPU with
     HostStreams (every copy done at once, every stream call logged, the log checked for order) the same four
     steps, the sync debug mode skipped (there is no device to wait for), nothing hidden (a CPU copies in line)."""
     from trainmech.offload import HostStreams, activation_offload
@@ -181,10 +183,10 @@ def check_offload(probe: Probe) -> str:
         if step == 2:
             trace = _profiled(model, batch, hooks, probe.cuda)
         else:
-            if step == 3:  # each stall twice the first step's D2H copy time
+            if step == 3:  # each stall twice the first step's longest D2H copy
                 first = offloads[0].copies
-                d2h_s = sum(first.streams.seconds(a, b) for name, a, b in first.copies if name == "d2h")
-                stalls = _stalling(hooks, max(2 * d2h_s, 1e-3), rate)
+                d2h_s = max(first.streams.seconds(a, b) for name, a, b in first.copies if name == "d2h")
+                stalls = _stalling(hooks, max(2 * d2h_s, 2e-4), rate)
                 backend = hooks.copies.streams
                 origin = backend.mark(backend.compute())
             guarded = probe.cuda and step == 1  # the step after the arena exists, as every timed update
