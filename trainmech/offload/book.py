@@ -67,10 +67,11 @@ class TransferStats:
         return self.h2d_wait_s + self.d2h_wait_s
 
 
-def describe(per_update: list[TransferStats], on_cuda: bool) -> str:
+def describe(per_update: list[TransferStats]) -> str:
     """Task5's printout of an offload's counts: the first update's saved references by what became of them, the
     bytes each way and when the H2D copies were issued, the stash and the host arena, the times (CUDA only), and
-    per update what varies (host chunks allocated, fetched copies never used, references read back)."""
+    per update what varies (host chunks allocated, fetched copies never used, references read back). Times are
+    None off CUDA (and until read_times): said so."""
     st = per_update[0]
     times = f"transfer_time_s = {st.transfer_time_s}   exposed_transfer_time_s = {st.exposed_transfer_time_s}"
     return "\n".join(
@@ -82,7 +83,7 @@ def describe(per_update: list[TransferStats], on_cuda: bool) -> str:
             f"{st.prefetched} of {st.offloaded}, issued when it asked: {st.on_demand}",
             f"device bytes held until their D2H was waited for: at most {st.stash_peak_bytes:,} B; host arena: "
             f"{st.host_peak_bytes:,} B; host chunks allocated per update: {[s.host_chunks_allocated for s in per_update]}",
-            times + ("" if on_cuda else "   (CPU: not meaningful, recorded as null)"),
+            times + ("" if st.transfer_time_s is not None else "   (CPU: not meaningful, recorded as null)"),
             f"H2D copies the backward never used: {[s.fetched_unused for s in per_update]}; saved references read back "
             f"(of those packed), read again: {[(s.unpacked, s.packed, s.unpacked_again) for s in per_update]}",
         ]
