@@ -15,7 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainmech import checkpointing as C
-from trainmech import ledger, measure
+from trainmech import ledger, measure, strategy_records
 from trainmech.errors import TrainmechError
 from trainmech.gpucheck import limits
 from trainmech.ledger import scenarios
@@ -181,7 +181,7 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     assert selective.kept_unread_ops == LAYERS
     # … measured in torch's selective caches after the backward: one unconsumed entry per layer
     assert selective.left_in_cache_ops == LAYERS and full.left_in_cache_ops is None
-    report = C.recompute_report(
+    report = strategy_records.recompute_report(
         {"per-layer": full, "selective": selective},
         dispatched,
         dispatched,

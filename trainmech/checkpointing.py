@@ -47,7 +47,6 @@ __all__ = [
     "ATTENTION_OPS",
     "dispatched_kernel",
     "expected_matmul_ops",
-    "recompute_report",
 ]
 
 aten = torch.ops.aten
@@ -407,52 +406,3 @@ def expected_matmul_ops(layers: Iterable[torch.nn.Module], kernel: str, device: 
                 out["addmm.default" if m.bias is not None else "mm.default"] += 1
         out.update(ATTENTION_OPS[device, kernel])
     return out
-
-
-def recompute_report(
-    counts: dict[str, RecomputeCount],
-    dispatched: Counter,
-    expected: Counter,
-    *,
-    rule: str,
-    ran: str | None,
-    device: str,
-) -> str:
-    """Task5's printout of recompute counts: the attention kernel (the ledger's rule beside the one dispatched);
-    per strategy, where the forward's ops went in the backward (kept, read from the cache, kept unread,
-    recomputed, skipped by the early stop); the skipped ops by name; what the last strategy recomputed by name;
-    the matmul and attention ops a plain forward dispatched, beside those expected by name."""
-    from trainmech.display import format_table
-
-    header = [
-        "per update",
-        "forward ops",
-        "kept",
-        "read from cache",
-        "kept, unread",
-        "recomputed",
-        "skipped (early stop)",
-    ]
-    rows = [
-        [
-            name,
-            c.forward_ops,
-            c.saved_ops,
-            c.read_from_cache_ops,
-            c.kept_unread_ops,
-            c.recomputed_ops,
-            c.skipped_ops,
-        ]
-        for name, c in counts.items()
-    ]
-    last = list(counts)[-1]
-    return "\n".join(
-        [
-            f"attention kernel: the ledger's rule says {rule}; the plain forward dispatched {ran}",
-            format_table(header, rows),
-            f"skipped by the early stop, by op: { {n: dict(sorted(c.skipped_by_op.items())) for n, c in counts.items()} }",
-            f"recomputed by op ({last}, per update): {dict(sorted(counts[last].recomputed_by_op.items()))}",
-            f"matmul and attention ops one plain forward dispatches in the layers: {dict(sorted(dispatched.items()))}",
-            f"expected by name ({ran or rule} attention on {device}): {dict(sorted(expected.items()))}",
-        ]
-    )

@@ -12,11 +12,13 @@ GPU evidence, never printed) and the allocator fields are null, the tracked tens
 `metrics.cpu_tracked_*` (the storages born in one steady update, as Task6 counts them). TRAIN-STATE-LEDGER's
 measured peak is Task4's (`ledger.Comparison`: every tensor alive, parameters and optimizer states included),
 under Task4's names: `metrics.tracked_peak_bytes` on any device, `metrics.cpu_tracked_peak_bytes` the same number
-where it is the peak measured (a CPU). `record_lines` prints what a record holds and which field is the peak.
+where it is the peak measured (a CPU). `record_lines` prints what a record holds and which field is the peak;
+`recompute_report` where a checkpointed forward's ops went in the backward.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from trainmech import decision, ledger
@@ -40,6 +42,7 @@ __all__ = [
     "alive_at",
     "saved_outside_layers",
     "saved_gone_before",
+    "recompute_report",
 ]
 
 MEASURED_WITH = {
@@ -331,3 +334,50 @@ def saved_gone_before(book: ledger.Ledger, tick: str) -> dict[str, int]:
         for st in book.states
         if st.category == "saved" and index[st.created] <= last < index[st.released_at] < at
     }
+
+
+def recompute_report(
+    counts: dict[str, RecomputeCount],
+    dispatched: Counter,
+    expected: Counter,
+    *,
+    rule: str,
+    ran: str | None,
+    device: str,
+) -> str:
+    """Task5's printout of recompute counts: the attention kernel (the ledger's rule beside the one dispatched);
+    per strategy, where the forward's ops went in the backward (kept, read from the cache, kept unread,
+    recomputed, skipped by the early stop); the skipped ops by name; what the last strategy recomputed by name;
+    the matmul and attention ops a plain forward dispatched, beside those expected by name."""
+    header = [
+        "per update",
+        "forward ops",
+        "kept",
+        "read from cache",
+        "kept, unread",
+        "recomputed",
+        "skipped (early stop)",
+    ]
+    rows = [
+        [
+            name,
+            c.forward_ops,
+            c.saved_ops,
+            c.read_from_cache_ops,
+            c.kept_unread_ops,
+            c.recomputed_ops,
+            c.skipped_ops,
+        ]
+        for name, c in counts.items()
+    ]
+    last = list(counts)[-1]
+    return "\n".join(
+        [
+            f"attention kernel: the ledger's rule says {rule}; the plain forward dispatched {ran}",
+            format_table(header, rows),
+            f"skipped by the early stop, by op: { {n: dict(sorted(c.skipped_by_op.items())) for n, c in counts.items()} }",
+            f"recomputed by op ({last}, per update): {dict(sorted(counts[last].recomputed_by_op.items()))}",
+            f"matmul and attention ops one plain forward dispatches in the layers: {dict(sorted(dispatched.items()))}",
+            f"expected by name ({ran or rule} attention on {device}): {dict(sorted(expected.items()))}",
+        ]
+    )
