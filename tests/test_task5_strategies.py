@@ -15,7 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainmech import checkpointing as C
-from trainmech import ledger, measure
+from trainmech import ledger, measure, strategy_records
 from trainmech.errors import TrainmechError
 from trainmech.gpucheck import limits
 from trainmech.ledger import scenarios
@@ -26,9 +26,11 @@ from trainmech.offload import (
     HostStreams,
     OffloadBook,
     activation_offload,
+    describe,
     restore_check,
 )
 from trainmech.offload.copies import CudaCopies
+from trainmech.offload.overlap import Overlap, covered, overlap, trace_intervals, union
 from trainmech.optimizers import OptimizerInBackward
 
 pytestmark = pytest.mark.task5
@@ -179,7 +181,32 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     assert selective.kept_unread_ops == LAYERS
     # … measured in torch's selective caches after the backward: one unconsumed entry per layer
     assert selective.left_in_cache_ops == LAYERS and full.left_in_cache_ops is None
-    selective.forget_caches()
+    report = strategy_records.recompute_report(
+        {"per-layer": full, "selective": selective},
+        dispatched,
+        dispatched,
+        rule=kernel,
+        ran=kernel,
+        device="cpu",
+    )
+    assert f"the ledger's rule says {kernel}; the plain forward dispatched {kernel}" in report
+    row = next(line.split() for line in report.splitlines() if line.startswith("selective "))
+    assert row == [
+        "selective",
+        *map(
+            str,
+            (
+                selective.forward_ops,
+                selective.saved_ops,
+                selective.read_from_cache_ops,
+                selective.kept_unread_ops,
+                selective.recomputed_ops,
+                selective.skipped_ops,
+            ),
+        ),
+    ]
+    assert "recomputed by op (selective, per update)" in report
+    assert selective.forget_caches() == LAYERS  # what it read, before letting the caches go
     assert selective.left_in_cache_ops is None
     assert (
         selective.read_from_cache_ops + selective.recomputed_ops + selective.skipped_ops
@@ -442,6 +469,16 @@ def test_offload_second_step_allocates_no_host_memory_and_two_at_once_are_refuse
         offload_step(model, batch, hooks)
         stats.append(hooks.finish())
     assert stats[0].host_chunks_allocated == 1 and stats[1].host_chunks_allocated == 0
+    text, first = describe(stats), stats[0]  # the notebook's printout: the first update, and per update
+    assert (
+        f"saved references packed: {first.packed} = {first.kept_params} parameters + {first.kept_small} small + "
+        f"{first.kept_exempt} last-layer/head/loss kept in place + {first.offloaded} storages offloaded"
+    ) in text
+    assert "host chunks allocated per update: [1, 0]" in text and "(CPU: not meaningful" in text
+    # as read_times fills them on CUDA:
+    stats[0].transfer_time_s, stats[0].h2d_wait_s, stats[0].d2h_wait_s = 1.0, 0.5, 0.0
+    timed = describe(stats)
+    assert "(CPU: not meaningful" not in timed and "exposed_transfer_time_s = 0.5" in timed
     first = activation_offload(model, min_bytes=HIDDEN // 2, arena=arena)
     with first:
         out = model(**batch)
@@ -698,6 +735,99 @@ def test_a_fetched_copy_never_used_is_waited_for_before_finish_lets_it_go():
         _at(streams.log, ("note", "drop-fetched", 0)),
     )
     assert waited < dropped
+
+
+# ----------------------------------------------------------------------------- offload: did the copies overlap compute?
+
+
+def test_overlap_counts_copy_time_inside_compute_once_and_nothing_outside_it():
+    # a copy inside compute is hidden, one beside it is not, one across an edge is split there
+    assert overlap([(1.0, 2.0)], [(0.0, 3.0)]) == Overlap(1.0, 3.0, 1.0)
+    assert overlap([(4.0, 5.0)], [(0.0, 3.0)]).hidden_s == 0.0
+    split = overlap([(2.0, 4.0)], [(0.0, 3.0), (3.5, 6.0)])
+    assert (split.hidden_s, split.alone_s, split.hidden_fraction) == (1.5, 0.5, 0.75)
+    # two side streams copying at once count once; compute split in touching pieces counts its length
+    both = overlap([(0.0, 2.0), (1.0, 3.0)], [(0.0, 1.0), (1.0, 2.0)])
+    assert (both.copy_s, both.compute_s, both.hidden_s) == (3.0, 2.0, 2.0)
+    assert covered([(0.0, 1.0)], [(1.0, 2.0)]) == 0.0  # touching is not overlapping
+    assert union([(3.0, 4.0), (0.0, 2.0), (1.0, 2.5)]) == [(0.0, 2.5), (3.0, 4.0)]
+    assert overlap([], [(0.0, 1.0)]).hidden_fraction is None
+    with pytest.raises(TrainmechError, match="finite start <= end"):
+        overlap([(2.0, 1.0)], [])
+
+
+def _kineto(cat, stream, ts, dur):
+    return {"ph": "X", "cat": cat, "name": cat, "ts": ts, "dur": dur, "args": {"stream": stream, "device": 0}}
+
+
+def test_trace_intervals_takes_copies_on_streams_without_kernels_and_refuses_a_trace_without_kernels(
+    model, batch
+):
+    trace = {
+        "traceEvents": [
+            _kineto("kernel", 7, 0, 100),
+            _kineto("kernel", 7, 150, 100),
+            _kineto("gpu_memcpy", 7, 260, 40),  # on the compute stream (save_on_cpu's kind): compute time
+            _kineto("gpu_memcpy", 13, 80, 100),  # a side copy: 20 + 30 us under kernels, 50 alone
+            _kineto("gpu_memcpy", 17, 300, 10),  # after the compute stream's copy ends: alone
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+        ]
+    }
+    copies, compute = trace_intervals(trace)
+    assert copies == [(80e-6, 180e-6), (300e-6, 310e-6)] and len(compute) == 3
+    got = overlap(copies, compute)
+    assert got.hidden_s == pytest.approx(50e-6) and got.alone_s == pytest.approx(60e-6)
+    # a real profiler trace from this CPU has operators but no kernel: refused in one sentence
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(model, batch)
+    events = [
+        {"ph": "X", "cat": "cpu_op", "ts": e.time_range.start, "dur": e.time_range.elapsed_us()}
+        for e in prof.events()
+    ]
+    assert events
+    with pytest.raises(TrainmechError, match="holds no CUDA kernel"):
+        trace_intervals({"traceEvents": events})
+
+
+def test_copies_on_a_cpu_fall_inside_the_layer_that_packed_them_and_never_inside_a_stall(model, batch):
+    """Real host-clock intervals of the CUDA copy path on HostStreams: a CPU copies in line with its work, so
+    every D2H copy lies inside the forward of the layer that packed it and none inside a sleep queued between
+    layers; the same arithmetic must say both."""
+    import time
+
+    streams = HostStreams()
+    hooks = activation_offload(model, min_bytes=HIDDEN // 2, arena=HostArena(pinned=False), streams=streams)
+    origin = streams.mark("compute")
+    spans, stalls, handles = {}, [], []
+    for layer in model.model.layers:
+
+        def before(module, args):
+            begin = streams.mark("compute")
+            time.sleep(1e-3)  # the host stalls between layers: no copy is under way
+            stalls.append((begin, streams.mark("compute")))
+            spans[module] = streams.mark("compute")
+
+        def after(module, args, out):
+            spans[module] = (spans[module], streams.mark("compute"))
+
+        handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
+    try:
+        offload_step(model, batch, hooks)
+    finally:
+        for h in handles:
+            h.remove()
+    hooks.finish()
+    hooks.read_times()
+    rel = lambda pairs: [(streams.seconds(origin, a), streams.seconds(origin, b)) for a, b in pairs]  # noqa: E731
+    d2h = hooks.copies.intervals(origin, "d2h")
+    assert len(d2h) == hooks.stats.offloaded and len(hooks.copies.intervals(origin, "h2d")) == len(d2h)
+    in_layers, in_stalls = overlap(d2h, rel(spans.values())), overlap(d2h, rel(stalls))
+    assert in_layers.copy_s > 0 and in_layers.hidden_s == pytest.approx(in_layers.copy_s)
+    assert in_stalls.hidden_s == 0.0 and in_stalls.compute_s >= len(stalls) * 1e-3
+    with pytest.raises(TrainmechError, match="'d2h' or 'h2d'"):
+        hooks.copies.intervals(origin, "compute")
 
 
 # ----------------------------------------------------------------------------- optimizer-in-backward and the scenarios

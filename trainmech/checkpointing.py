@@ -37,6 +37,7 @@ __all__ = [
     "hf_checkpointing",
     "checkpoint_layers",
     "MATMUL_OPS",
+    "MATMUL_NAMES",
     "save_matmuls",
     "Region",
     "RecomputeCount",
@@ -145,6 +146,7 @@ _MATMUL_NAMES = (
     "_scaled_dot_product_cudnn_attention",
 )
 MATMUL_OPS = frozenset(getattr(aten, name).default for name in _MATMUL_NAMES if hasattr(aten, name))
+MATMUL_NAMES = frozenset(op.__name__ for op in MATMUL_OPS)  # as the counts name them: "mm.default", …
 
 
 def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -234,10 +236,13 @@ class RecomputeCount:
             for entry in per_op.values()
         )
 
-    def forget_caches(self) -> None:
-        """Drop the references to the selective caches (and the unread outputs in them)."""
+    def forget_caches(self) -> int | None:
+        """Drop the references to the selective caches (and the unread outputs in them); returns what
+        `left_in_cache_ops` read in them just before."""
+        left = self.left_in_cache_ops
         for r in self.regions:
             r.cache = None
+        return left
 
     @property
     def replays_are_prefixes(self) -> bool:

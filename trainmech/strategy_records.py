@@ -12,11 +12,13 @@ GPU evidence, never printed) and the allocator fields are null, the tracked tens
 `metrics.cpu_tracked_*` (the storages born in one steady update, as Task6 counts them). TRAIN-STATE-LEDGER's
 measured peak is Task4's (`ledger.Comparison`: every tensor alive, parameters and optimizer states included),
 under Task4's names: `metrics.tracked_peak_bytes` on any device, `metrics.cpu_tracked_peak_bytes` the same number
-where it is the peak measured (a CPU). `record_lines` prints what a record holds and which field is the peak.
+where it is the peak measured (a CPU). `record_lines` prints what a record holds and which field is the peak;
+`recompute_report` where a checkpointed forward's ops went in the backward.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from trainmech import decision, ledger
@@ -37,7 +39,10 @@ __all__ = [
     "PEAK_FIELD",
     "record_lines",
     "timing_table",
+    "alive_at",
     "saved_outside_layers",
+    "saved_gone_before",
+    "recompute_report",
 ]
 
 MEASURED_WITH = {
@@ -298,15 +303,81 @@ def timing_table(runs: dict[str, StrategyRun]) -> str:
     return format_table(header, rows)
 
 
-def saved_outside_layers(book: ledger.Ledger, tick: str) -> dict[str, int]:
-    """The ledger's saved states alive at `tick` that no decoder layer holds (RoPE's cos / sin, the final norm,
-    the loss's log-softmax, …): name -> bytes, in the ledger's order."""
-    index = {t: k for k, t in enumerate(book.ticks)} | {ledger.BEFORE: -1, ledger.AFTER: len(book.ticks)}
+def _index(book: ledger.Ledger) -> dict[str, int]:
+    return {t: k for k, t in enumerate(book.ticks)} | {ledger.BEFORE: -1, ledger.AFTER: len(book.ticks)}
+
+
+def alive_at(book: ledger.Ledger, tick: str, category: str) -> dict[str, int]:
+    """The ledger's states of one category alive at `tick`: name -> bytes, in the ledger's order."""
+    index = _index(book)
     at = index[tick]
     return {
         st.name: st.nbytes
         for st in book.states
-        if st.category == "saved"
-        and not st.name.startswith("layer.")
-        and index[st.created] <= at <= index[st.released_at]
+        if st.category == category and index[st.created] <= at <= index[st.released_at]
     }
+
+
+def saved_outside_layers(book: ledger.Ledger, tick: str) -> dict[str, int]:
+    """The ledger's saved states alive at `tick` that no decoder layer holds (RoPE's cos / sin, the final norm,
+    the loss's log-softmax, …): name -> bytes, in the ledger's order."""
+    return {name: n for name, n in alive_at(book, tick, "saved").items() if not name.startswith("layer.")}
+
+
+def saved_gone_before(book: ledger.Ledger, tick: str) -> dict[str, int]:
+    """The ledger's saved states still alive once the forward is over (after its last tick, "loss") but released
+    before `tick`: name -> bytes (what the backward frees before it reaches `tick`)."""
+    index = _index(book)
+    last, at = index["loss"], index[tick]
+    return {
+        st.name: st.nbytes
+        for st in book.states
+        if st.category == "saved" and index[st.created] <= last < index[st.released_at] < at
+    }
+
+
+def recompute_report(
+    counts: dict[str, RecomputeCount],
+    dispatched: Counter,
+    expected: Counter,
+    *,
+    rule: str,
+    ran: str | None,
+    device: str,
+) -> str:
+    """Task5's printout of recompute counts: the attention kernel (the ledger's rule beside the one dispatched);
+    per strategy, where the forward's ops went in the backward (kept, read from the cache, kept unread,
+    recomputed, skipped by the early stop); the skipped ops by name; what the last strategy recomputed by name;
+    the matmul and attention ops a plain forward dispatched, beside those expected by name."""
+    header = [
+        "per update",
+        "forward ops",
+        "kept",
+        "read from cache",
+        "kept, unread",
+        "recomputed",
+        "skipped (early stop)",
+    ]
+    rows = [
+        [
+            name,
+            c.forward_ops,
+            c.saved_ops,
+            c.read_from_cache_ops,
+            c.kept_unread_ops,
+            c.recomputed_ops,
+            c.skipped_ops,
+        ]
+        for name, c in counts.items()
+    ]
+    last = list(counts)[-1]
+    return "\n".join(
+        [
+            f"attention kernel: the ledger's rule says {rule}; the plain forward dispatched {ran}",
+            format_table(header, rows),
+            f"skipped by the early stop, by op: { {n: dict(sorted(c.skipped_by_op.items())) for n, c in counts.items()} }",
+            f"recomputed by op ({last}, per update): {dict(sorted(counts[last].recomputed_by_op.items()))}",
+            f"matmul and attention ops one plain forward dispatches in the layers: {dict(sorted(dispatched.items()))}",
+            f"expected by name ({ran or rule} attention on {device}): {dict(sorted(expected.items()))}",
+        ]
+    )

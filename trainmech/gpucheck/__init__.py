@@ -12,7 +12,7 @@ goes to `<out>/gpu-check.json` and `<out>/gpu-check.md`; executed notebooks unde
 Exit status 0 when nothing failed but the failures an open issue expects (`Branch.known`).
 
 Modules: `scan` finds the device-dependent sites, `branches` holds the registry, `checks` and
-`strategy_checks` the package checks, `probe` what they run on (`Probe`) and how they fail, `limits`
+`strategy_checks` the package checks (`offload_overlap` the offload's overlap claim), `probe` what they run on (`Probe`) and how they fail, `limits`
 measures the machine, `budget` predicts the full run, `notebooks` runs the notebook pass, `report`
 writes the report, `bundle` keeps the carry bundle's list.
 """

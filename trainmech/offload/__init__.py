@@ -5,27 +5,34 @@
   small backend (`CudaStreams`, or `HostStreams` to run it on a CPU), and the plain CPU copies;
 - `hooks`: `ActivationOffload`, the saved-tensor hooks that join the two (`activation_offload(model)` builds
   one for a causal LM), and `restore_check`;
+- `overlap`: how much copy time ran while the compute stream was busy (interval arithmetic, from events or a
+  profiler trace);
 - `save_on_cpu`: torch's own `save_on_cpu`, counted, as the simple baseline;
 - `nominal`: compute or transfer — datasheet link and FP32 rates, and one step's FLOPs.
 """
 
-from trainmech.offload.book import OffloadBook, TransferStats
+from trainmech.offload.book import OffloadBook, TransferStats, describe
 from trainmech.offload.copies import HostArena, HostStreams, host_arena
 from trainmech.offload.hooks import ActivationOffload, activation_offload, restore_check
 from trainmech.offload.nominal import NOMINAL, step_flops
+from trainmech.offload.overlap import Overlap, overlap, trace_intervals
 from trainmech.offload.save_on_cpu import CountingSaveOnCpu, pack_copy_line
 
 __all__ = [
     "ActivationOffload",
     "activation_offload",
+    "describe",
     "CountingSaveOnCpu",
     "HostArena",
     "HostStreams",
     "NOMINAL",
     "OffloadBook",
+    "Overlap",
     "TransferStats",
     "host_arena",
+    "overlap",
     "pack_copy_line",
     "restore_check",
     "step_flops",
+    "trace_intervals",
 ]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from trainmech.errors import TrainmechError
 
-__all__ = ["EMBED_GROUP", "TransferStats", "References", "Entry", "OffloadBook"]
+__all__ = ["EMBED_GROUP", "TransferStats", "describe", "References", "Entry", "OffloadBook"]
 
 EMBED_GROUP = -1  # what the forward packs before the first decoder layer
 _KEPT = {"param": "kept_params", "small": "kept_small", "exempt": "kept_exempt"}  # keep_reason -> its counter
@@ -65,6 +65,29 @@ class TransferStats:
         if self.h2d_wait_s is None or self.d2h_wait_s is None:
             return None
         return self.h2d_wait_s + self.d2h_wait_s
+
+
+def describe(per_update: list[TransferStats]) -> str:
+    """Task5's printout of an offload's counts: the first update's saved references by what became of them, the
+    bytes each way and when the H2D copies were issued, the stash and the host arena, the times (CUDA only), and
+    per update what varies (host chunks allocated, fetched copies never used, references read back). Times are
+    None off CUDA (and until read_times): said so."""
+    st = per_update[0]
+    times = f"transfer_time_s = {st.transfer_time_s}   exposed_transfer_time_s = {st.exposed_transfer_time_s}"
+    return "\n".join(
+        [
+            f"saved references packed: {st.packed} = {st.kept_params} parameters + {st.kept_small} small + "
+            f"{st.kept_exempt} last-layer/head/loss kept in place + {st.offloaded} storages offloaded + "
+            f"{st.shared} served by a storage already offloaded",
+            f"D2H {st.d2h_bytes:,} B   H2D {st.h2d_bytes:,} B   H2D issued before the backward asked: "
+            f"{st.prefetched} of {st.offloaded}, issued when it asked: {st.on_demand}",
+            f"device bytes held until their D2H was waited for: at most {st.stash_peak_bytes:,} B; host arena: "
+            f"{st.host_peak_bytes:,} B; host chunks allocated per update: {[s.host_chunks_allocated for s in per_update]}",
+            times + ("" if st.transfer_time_s is not None else "   (CPU: not meaningful, recorded as null)"),
+            f"H2D copies the backward never used: {[s.fetched_unused for s in per_update]}; saved references read back "
+            f"(of those packed), read again: {[(s.unpacked, s.packed, s.unpacked_again) for s in per_update]}",
+        ]
+    )
 
 
 class References:

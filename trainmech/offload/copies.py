@@ -308,7 +308,7 @@ class CudaCopies(HostCopies):
     def __init__(self, device: torch.device, arena: HostArena, streams=None) -> None:
         super().__init__(device, arena)
         self.streams = streams if streams is not None else CudaStreams(device)
-        self.copies: list[tuple] = []  # (start, end) of every copy on a side stream
+        self.copies: list[tuple] = []  # ("d2h" or "h2d", start, end) of every copy on a side stream
         self.d2h_waits: list[tuple] = []  # (compute asked, copy ended)
         self.h2d_waits: list[tuple] = []
         self._done: dict[
@@ -330,7 +330,7 @@ class CudaCopies(HostCopies):
         start, end = s.copy(s.d2h, entry.slot, as_bytes(storage), entry.index)
         entry.source = storage
         self._done[entry.index] = end
-        self.copies.append((start, end))
+        self.copies.append(("d2h", start, end))
 
     def _wait(self, ended, waits: list) -> None:
         """The compute stream waits (on the device, the host does not) for a copy's end event."""
@@ -354,7 +354,7 @@ class CudaCopies(HostCopies):
         start, end = s.copy(s.h2d, dev, entry.slot, entry.index)
         entry.fetched = dev.untyped_storage()
         self._ready[entry.index] = end
-        self.copies.append((start, end))
+        self.copies.append(("h2d", start, end))
 
     def before_use(self, entry) -> None:
         ready = self._ready.pop(entry.index, None)
@@ -377,6 +377,14 @@ class CudaCopies(HostCopies):
         """Copy and wait times from the events (one synchronisation: call it after the timed steps)."""
         s = self.streams
         s.synchronize()
-        stats.transfer_time_s = sum(s.seconds(a, b) for a, b in self.copies)
+        stats.transfer_time_s = sum(s.seconds(a, b) for _, a, b in self.copies)
         stats.d2h_wait_s = sum(max(0.0, s.seconds(a, b)) for a, b in self.d2h_waits)
         stats.h2d_wait_s = sum(max(0.0, s.seconds(a, b)) for a, b in self.h2d_waits)
+
+    def intervals(self, origin, stream: str) -> list[tuple[float, float]]:
+        """Every copy on one side stream ("d2h" or "h2d") as (start, end) in seconds after the event `origin`
+        (one clock for every stream of the device; call it after read_times, whose synchronisation it relies on)."""
+        if stream not in ("d2h", "h2d"):
+            raise TrainmechError(f"a side stream is 'd2h' or 'h2d', got {stream!r}")
+        s = self.streams
+        return [(s.seconds(origin, a), s.seconds(origin, b)) for name, a, b in self.copies if name == stream]
