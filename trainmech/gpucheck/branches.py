@@ -139,7 +139,9 @@ PACKAGE = [
         ),
         "CudaCopies on CUDA streams: pinned host arena, cached D2H / H2D side streams, held sources released at a D2H "
         "event, CUDA events for copy and wait times read after the step, the hooks never synchronising (sync debug "
-        "mode 'error'); on a CPU the same bookkeeping over HostStreams, its order checked",
+        "mode 'error'); side-stream copies overlapping kernels in a profiled step, D2H copies hidden behind a stalled "
+        "compute stream (offload_overlap; first-guess thresholds); on a CPU the same bookkeeping over HostStreams, its "
+        "order checked, and nothing hidden behind a host sleep",
         check_offload,
         3,
     ),
@@ -259,7 +261,8 @@ NOTEBOOK_CELLS = {
     "every tensor's layout",
     "Task5:baseline-ledger": "the baseline peak claim is CPU-only",
     "Task5:dropout-rng": "RNG-preserving replay within gates.GRAD_RTOL instead of bitwise",
-    "Task5:overlapped-offload": "copy and exposed transfer times from CUDA events",
+    "Task5:overlapped-offload": "copy and exposed transfer times from CUDA events; the stash and inventory claims are "
+    "CPU-only",
     "Task5:strategy-peaks": "ledger-vs-measured peak claims are CPU-only",
     "Task5:saved-at-forward-end": "saved-bytes claims are CPU-only",
     "Task5:peak-composition": "peak phase and composition claims are CPU-only",
@@ -271,7 +274,8 @@ NOTEBOOK_CELLS = {
     "medians; the exposed fraction "
     "(per-copy CUDA events) and the step ratio against the measured bound",
     "Task5:records": "save_on_cpu's tracked peak above the baseline's and the custom hooks' below it is claimed on CPU "
-    "only (there its host copies are tracked storages born in the update; on CUDA they are host memory)",
+    "only (there its host copies are tracked storages born in the update; on CUDA they are host memory); so is the "
+    "baseline difference between Task4's and Task6's steps",
     "Task6:checkpoint-passes": "forward + backward equal to the whole update's tracked peak is claimed on CPU only",
     "Task6:imports-setup": "3 warm-up + 21 timed steps on CUDA; one CPU thread only on CPU",
     "Task6:gradient-errors-figure": "the FP16 margin claim is CPU-only; on CUDA the margin is printed as unverified (the "
