@@ -274,12 +274,8 @@ def check_ledger_on_device(probe: Probe) -> str:
             f"layer {added_math} vs the math inventory's {inventory_math:,}",
         )
         math_rows.append(inventory_math)
-    measured = (
-        (first, steady)
-        if probe.cuda
-        else ledger.measure_point(probe.model_name, probe.batch, probe.seq, seed=0, allocator="cpu-profiler")
-    )
-    peaks = ledger.allocated_reserved(*measured)
+    # Task4's path: the pair itself on CUDA (its allocator counted), the same point under torch.profiler on a CPU
+    peaks = ledger.allocated_reserved(*ledger.allocator_pair(first, steady, run_mode=probe.mode, seed=0))
     require(  # the model's peaks against the allocator's own (torch.cuda.max_memory_*), not against themselves
         not probe.cuda
         or (
