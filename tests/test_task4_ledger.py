@@ -1556,3 +1556,18 @@ def test_task4_section5_cells_run_with_cudas_choices_forced_on_a_cpu(cuda_forced
     inventory = sum(t.nbytes for t in bf16.predicted.layer_saved())
     added = bf16.measured.saved_added_per_layer(layers)
     assert max(abs(layer - inventory) for layer in added) <= terms.slack_bytes_per_layer
+
+
+@pytest.mark.parametrize("options", [{}, {"attention": "math"}, {"micro_batches": 2}])
+def test_the_bf16_logits_gradient_is_born_in_the_loss_backward(options):
+    # logits.float()'s backward casts the fp32 gradient back to bf16 inside the loss's backward, before
+    # the head's: the ledger's `backward.loss:cast` tick, between log_softmax and the head
+    for c in ledger.measure_point("qwen2-tiny", 2, 32, dtype="bf16", **options):
+        assert not c.lifecycle_differences(), c.lifecycle_line()
+        assert c.predicted_peak == c.tracked_peak
+        assert c.predicted.forward_backward_peak().bytes == c.measured_forward_backward_peak
+        dlogits = next(st for st in c.predicted.states if st.name == "dlogits")
+        assert (dlogits.created, dlogits.released_at) == ("backward.loss:cast", "backward.head:lm_head")
+        ticks = list(c.predicted.ticks)
+        assert ticks.index("backward.loss:cast") == ticks.index("backward.loss:log_softmax") + 1
+    assert "backward.loss:cast" not in ledger.training_state_lifecycle("qwen2-tiny", 2, 32).ticks  # fp32: no cast
