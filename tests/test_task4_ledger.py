@@ -1570,4 +1570,6 @@ def test_the_bf16_logits_gradient_is_born_in_the_loss_backward(options):
         assert (dlogits.created, dlogits.released_at) == ("backward.loss:cast", "backward.head:lm_head")
         ticks = list(c.predicted.ticks)
         assert ticks.index("backward.loss:cast") == ticks.index("backward.loss:log_softmax") + 1
-    assert "backward.loss:cast" not in ledger.training_state_lifecycle("qwen2-tiny", 2, 32).ticks  # fp32: no cast
+    assert (
+        "backward.loss:cast" not in ledger.training_state_lifecycle("qwen2-tiny", 2, 32).ticks
+    )  # fp32: no cast

@@ -363,7 +363,9 @@ def backward_states(setup: Setup) -> list[State]:
             "backward.loss:cast" if dtypes.sixteen_bit else "backward.head:lm_head",
         ),
     ]
-    if dtypes.sixteen_bit:  # the backward of logits.float(), inside the loss's: the gradient cast back to 16 bits
+    if (
+        dtypes.sixteen_bit
+    ):  # the backward of logits.float(), inside the loss's: the gradient cast back to 16 bits
         out.append(
             State("dlogits", "upstream_grads", b * s * v * act, "backward.loss:cast", "backward.head:lm_head")
         )
