@@ -1573,3 +1573,45 @@ def test_the_bf16_logits_gradient_is_born_in_the_loss_backward(options):
     assert (
         "backward.loss:cast" not in ledger.training_state_lifecycle("qwen2-tiny", 2, 32).ticks
     )  # fp32: no cast
+
+
+def test_held_against_rule_divides_from_the_stage_that_partitions_each_category():
+    from types import SimpleNamespace
+
+    n = ledger.model_shape("qwen2-tiny").n_params
+    whole = {"parameters": 4 * n, "gradients": 4 * n, "optimizer_states": 8 * n}
+    reports = [
+        SimpleNamespace(stage=s, world_size=1, held=whole) for s in (0, 1, 2, 3)
+    ]  # N = 1: not compared
+    for stage in (1, 2, 3):  # two ranks, the heaviest 100 B above an even split of what the stage partitions
+        split = {c: b // 2 if stage >= ledger.zero.FIRST_STAGE_SPLITTING[c] else b for c, b in whole.items()}
+        reports += [
+            SimpleNamespace(stage=stage, world_size=2, held=split),
+            SimpleNamespace(stage=stage, world_size=2, held={c: b + 100 for c, b in split.items()}),
+        ]
+    held = ledger.zero.held_against_rule(reports, "qwen2-tiny")
+    assert {k[:2] for k in held.ratio} == {(1, 2), (2, 2), (3, 2)}
+    assert all(excess == 100 for excess in held.excess.values())
+    assert held.ratio[1, 2, "gradients"] == (4 * n + 100) / (4 * n)  # stage 1 keeps whole gradients
+    assert held.ratio[2, 2, "gradients"] == (2 * n + 100) / (2 * n)
+    assert held.table().splitlines()[0].split() == [
+        "N",
+        "stage",
+        "optimizer_states",
+        "gradients",
+        "parameters",
+    ]
+    assert len(held.table().splitlines()) == 4
+
+
+def test_points_table_and_peak_phase_groups():
+    points = ledger.measure_point("qwen2-tiny", 1, 16)
+    rows = ledger.compare.points_table(points).splitlines()
+    assert rows[0].split()[:4] == ["model", "batch", "seq", "update"] and len(rows) == 3
+    assert rows[1].split()[:4] == ["qwen2-tiny", "1", "16", "first"]
+    assert f"{points[1].measured_peak:,}" in rows[2] and rows[2].endswith(
+        points[1].predicted.peak_overlap().phase
+    )
+    groups = ledger.compare.by_peak_phase(points)
+    assert sum(len(v) for v in groups.values()) == 2
+    assert "qwen2-tiny b1s16 steady" in groups[points[1].measured.peak_phase]
