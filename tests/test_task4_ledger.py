@@ -1615,3 +1615,13 @@ def test_points_table_and_peak_phase_groups():
     groups = ledger.compare.by_peak_phase(points)
     assert sum(len(v) for v in groups.values()) == 2
     assert "qwen2-tiny b1s16 steady" in groups[points[1].measured.peak_phase]
+
+
+def test_allocator_pair_measures_again_only_a_pair_without_an_allocator():
+    plain = ledger.measure_point("qwen2-tiny", 1, 16)
+    again = ledger.allocator_pair(*plain, run_mode="cpu", seed=0)
+    assert again[0] is not plain[0] and [c.step for c in again] == ["first", "steady"]
+    assert all(c.measured.step_peak_allocated_bytes is not None for c in again)
+    assert (again[1].model, again[1].batch, again[1].seq) == ("qwen2-tiny", 1, 16)
+    assert again[1].tracked_peak == plain[1].tracked_peak  # the same point: the same tensors
+    assert ledger.allocator_pair(*again) == again  # it carries them now: nothing runs again
