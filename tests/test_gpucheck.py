@@ -94,10 +94,15 @@ def test_the_scanner_finds_each_kind_of_site_and_skips_annotations(tmp_path):
         "execution_count": None,
         "source": ["%matplotlib inline\n", "if session.on_cuda:\n", "    print(1)\n"],
     }
+    terms = {
+        **cell,
+        "id": "cell-08",
+        "source": ["TERMS = ledger.device_terms(DEVICE)\n", "x = TERMS.slack\n"],
+    }
     (nbs / "Task9_x.ipynb").write_text(
-        json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
+        json.dumps({"cells": [cell, terms], "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
     )
-    assert [(s.key, s.line) for s in scan.notebook_sites(nbs)] == [("Task9:cell-07", 2)]
+    assert [(s.key, s.line) for s in scan.notebook_sites(nbs)] == [("Task9:cell-07", 2), ("Task9:cell-08", 2)]
 
 
 # ---------------------------------------------------------------- every check, the CPU side chosen

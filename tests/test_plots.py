@@ -68,3 +68,28 @@ def test_gate_matrix_marks_what_was_not_run_and_what_was_not_measured():
     marks = [t.get_text() for t in fig.axes[0].texts]
     assert marks.count("○") == 1 and marks.count("·") == 3 and marks.count("—") == 1
     assert marks.count("✓") == 9 and marks.count("✗") == 1
+
+
+@pytest.mark.task4
+def test_memory_timeline_draws_the_ledgers_own_phase_maxima():
+    from matplotlib.collections import LineCollection
+
+    from trainmech import ledger
+
+    (first,) = ledger.measure_point("qwen2-tiny", 1, 16, steps=("first",))
+    fig = plots.memory_timeline(first.measured, first.predicted)
+    assert not plt.fignum_exists(fig.number)
+    top, bottom = fig.axes[:2]
+    drawn = [
+        segments for c in top.collections if isinstance(c, LineCollection) for segments in c.get_segments()
+    ]
+    maxima = first.predicted.by_phase()
+    phases = list(dict.fromkeys(first.measured.phases))
+    assert len(drawn) == len(
+        [p for p in phases if p in maxima]
+    )  # one green line per measured phase the ledger has
+    heights = sorted(round(segment[0][1] * 2**20) for segment in drawn)
+    assert heights == sorted(maxima[p] for p in phases if p in maxima)
+    assert len(bottom.patches) >= len(
+        first.predicted.ticks
+    )  # one bar per tick and category, the peak outlined

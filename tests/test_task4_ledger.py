@@ -1425,3 +1425,203 @@ def test_the_allocator_model_refuses_a_configuration_it_does_not_model():
             ledger.allocator.cuda_peaks(book, alloc_conf=conf)
         assert str(caught.value).count("\n") == 0
     assert ledger.allocator.cuda_peaks(book, alloc_conf="expandable_segments:False") == plain
+
+
+# ---------------------------------------------------------------- Task4's CUDA side, forced on a CPU
+
+
+@pytest.fixture(scope="module")
+def cuda_forced_pair():
+    """qwen2-tiny b2s32 with CUDA's choices forced: the math SDPA kernel (the rule's for fp32 grouped-query
+    attention on CUDA), foreach AdamW (CUDA's default), a warm-up, the memory history and an allocator
+    counted (the CPU allocator under torch.profiler, as torch.cuda's would be)."""
+    return ledger.measure_point(
+        "qwen2-tiny",
+        2,
+        32,
+        attention="math",
+        optimizer_impl="foreach",
+        warmup=True,
+        memory_history=True,
+        allocator="cpu-profiler",
+    )
+
+
+def test_device_terms_are_values_and_refuse_an_unknown_device():
+    cpu, cuda = ledger.device_terms("cpu"), ledger.device_terms("cuda")
+    assert (cpu.points, cuda.points) == (ledger.CPU_POINTS, ledger.CUDA_POINTS)
+    assert (cpu.slack_bytes_per_layer, cuda.slack_bytes_per_layer) == (0, ledger.CUDA_SLACK_BYTES_PER_LAYER)
+    assert cuda.lifecycle_tolerance == ledger.CUDA_LIFECYCLE_TOLERANCE and cpu.lifecycle_tolerance == (0.0, 0)
+    assert cpu.exact_points and cpu.exact_engines and not cuda.exact_points and not cuda.exact_engines
+    assert (cpu.on_cuda, cuda.on_cuda) == (False, True) and cuda.blas_workspace_measured
+    with pytest.raises(TrainmechError, match="valid are cpu, cuda") as e:
+        ledger.device_terms("mps")
+    assert "\n" not in str(e.value)
+
+
+def test_task4_cells_run_with_cudas_terms_and_choices_forced_on_a_cpu(cuda_forced_pair, monkeypatch):
+    """Every call Task4's cells make on CUDA, with ledger.device_terms("cuda") and CUDA's choices forced:
+    a GPU run cannot fail for a reason this CPU run catches."""
+    from trainmech import results
+
+    terms = ledger.device_terms("cuda")
+    first, steady = cuda_forced_pair
+    shape = first.predicted.shape
+    assert ledger.attention_kernel(shape, "fp32", "cuda") == "math"  # the rule the forced kernel stands for
+    assert first.kernel == steady.kernel == first.predicted.attention == "math"
+    assert first.predicted.setup.optimizer_impl == "foreach" and first.predicted.device == "cpu"
+    # measure-first-steady: per-layer saved bytes against the math inventory within CUDA's slack
+    added = first.measured.saved_added_per_layer(shape.num_layers)
+    inventory = sum(t.nbytes for t in first.predicted.layer_saved())
+    assert "self_attn.probs" in {t.name for t in first.predicted.layer_saved()}
+    assert max(abs(layer - inventory) for layer in added) <= terms.slack_bytes_per_layer
+    # lifecycle-vs-measured, bytes-by-phase, peak-composition
+    for pair in (first, steady):
+        assert not pair.lifecycle_differences(terms.lifecycle_tolerance)
+        assert "differences: none" in pair.lifecycle_line(terms.lifecycle_tolerance)
+        ours, theirs = pair.predicted.by_phase(), pair.measured.by_phase()
+        assert max(abs(ours[p] - theirs[p]) / theirs[p] for p in theirs) <= terms.phase_tolerance
+        peak, composition = pair.predicted.peak_overlap(), pair.measured.by_category()
+        assert peak.phase == pair.measured.peak_phase
+        worst = max(abs(peak.by_category[k] - composition[k]) for k in ledger.CATEGORIES) / peak.bytes
+        assert worst <= terms.composition_tolerance
+        # baseline-peaks: measured_peak is the allocator's, as torch.cuda's would be
+        assert pair.measured_peak == pair.measured.step_peak_allocated_bytes and abs(pair.error) <= 0.05
+    # the foreach temporary is in the update: the steady peak's workspace is one parameter copy or more
+    at_update = steady.predicted.peak_overlap().by_category
+    assert (
+        steady.predicted.peak_overlap().phase != "optimizer" or at_update["workspace"] >= 4 * shape.n_params
+    )
+    # memory-history: the timeline of the pair (empty history off CUDA: the tracker's own)
+    assert first.history.source is None and first.workspace_bytes is None  # no CUDA allocator here
+    assert measure.step_history(first.history, [first.measured, steady.measured]).describe()
+    # cuda-allocator-peaks: the pair already carries its allocator's peaks, so nothing runs again
+    pair = ledger.allocator_pair(first, steady, run_mode="cpu", seed=0)
+    assert pair[0] is first and pair[1] is steady
+    peaks = ledger.allocated_reserved(*pair)
+    assert peaks.model.allocated_peak > peaks.model.tensor_peak  # rounded to 512 B blocks
+    assert abs(peaks.allocated_error) <= terms.allocator_model_tolerance
+    assert "\n".join(peaks.lines())
+    monkeypatch.setenv(
+        "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
+    )  # refused on this path on any device
+    with pytest.raises(TrainmechError, match="expandable_segments"):
+        ledger.allocated_reserved(*pair)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    # record-state-ledger: the CUDA fields, validated as a GPU-measured record
+    fields = ledger.record_fields(
+        steady, [first, steady], worst_error=0.0, on_cuda=terms.on_cuda, updates=[first, steady]
+    )
+    assert (
+        fields["resources"]["peak_allocated_bytes"] == steady.measured.step_peak_allocated_bytes is not None
+    )
+    assert (
+        fields["metrics"]["attention_kernel"] == "math" and fields["metrics"]["optimizer_impl"] == "foreach"
+    )
+    assert fields["metrics"]["measured_with"] == ledger.compare.MEASURED_PEAK_WITH["cuda"]
+    template = json.loads(
+        (results.REPO_ROOT / "results" / "cpu-reference" / "TRAIN-STATE-LEDGER__cpu-b2s128.json").read_text()
+    )
+    record = results.validate(
+        {
+            **template,
+            "environment": {
+                **template["environment"],
+                "device": "cuda:0",
+                "gpu": "NVIDIA H200",
+                "cuda": "12.8",
+            },
+            "correctness": {**template["correctness"], **fields.pop("correctness")},
+            "conclusion": {**template["conclusion"], "evidence_level": "gpu-measured"},
+            **fields,
+        }
+    )
+    assert record.correctness.effective_updates == 2 and record.metrics["cpu_tracked_peak_bytes"] is None
+
+
+def test_task4_section5_cells_run_with_cudas_choices_forced_on_a_cpu(cuda_forced_pair):
+    """scenario-measured and bf16-layer-saved with CUDA's terms: checkpointing and bf16 under the forced choices."""
+    terms = ledger.device_terms("cuda")
+    first, steady = cuda_forced_pair
+    layers = first.predicted.shape.num_layers
+    checkpointed = ledger.measure_point(
+        "qwen2-tiny", 2, 32, attention="math", optimizer_impl="foreach", checkpointing="full"
+    )
+    assert checkpointed[0].kernel == "math"
+    table, worst = ledger.scenarios.render_measured(
+        {"baseline": (first, steady), "checkpoint": tuple(checkpointed)}
+    )
+    assert worst <= terms.slack_bytes_per_layer * layers and "checkpoint" in table
+    (bf16,) = ledger.measure_point("qwen2-tiny", 2, 32, dtype="bf16", attention="math", steps=("first",))
+    inventory = sum(t.nbytes for t in bf16.predicted.layer_saved())
+    added = bf16.measured.saved_added_per_layer(layers)
+    assert max(abs(layer - inventory) for layer in added) <= terms.slack_bytes_per_layer
+
+
+@pytest.mark.parametrize("options", [{}, {"attention": "math"}, {"micro_batches": 2}])
+def test_the_bf16_logits_gradient_is_born_in_the_loss_backward(options):
+    # logits.float()'s backward casts the fp32 gradient back to bf16 inside the loss's backward, before
+    # the head's: the ledger's `backward.loss:cast` tick, between log_softmax and the head
+    for c in ledger.measure_point("qwen2-tiny", 2, 32, dtype="bf16", **options):
+        assert not c.lifecycle_differences(), c.lifecycle_line()
+        assert c.predicted_peak == c.tracked_peak
+        assert c.predicted.forward_backward_peak().bytes == c.measured_forward_backward_peak
+        dlogits = next(st for st in c.predicted.states if st.name == "dlogits")
+        assert (dlogits.created, dlogits.released_at) == ("backward.loss:cast", "backward.head:lm_head")
+        ticks = list(c.predicted.ticks)
+        assert ticks.index("backward.loss:cast") == ticks.index("backward.loss:log_softmax") + 1
+    assert (
+        "backward.loss:cast" not in ledger.training_state_lifecycle("qwen2-tiny", 2, 32).ticks
+    )  # fp32: no cast
+
+
+def test_held_against_rule_divides_from_the_stage_that_partitions_each_category():
+    from types import SimpleNamespace
+
+    n = ledger.model_shape("qwen2-tiny").n_params
+    whole = {"parameters": 4 * n, "gradients": 4 * n, "optimizer_states": 8 * n}
+    reports = [
+        SimpleNamespace(stage=s, world_size=1, held=whole) for s in (0, 1, 2, 3)
+    ]  # N = 1: not compared
+    for stage in (1, 2, 3):  # two ranks, the heaviest 100 B above an even split of what the stage partitions
+        split = {c: b // 2 if stage >= ledger.zero.FIRST_STAGE_SPLITTING[c] else b for c, b in whole.items()}
+        reports += [
+            SimpleNamespace(stage=stage, world_size=2, held=split),
+            SimpleNamespace(stage=stage, world_size=2, held={c: b + 100 for c, b in split.items()}),
+        ]
+    held = ledger.zero.held_against_rule(reports, "qwen2-tiny")
+    assert {k[:2] for k in held.ratio} == {(1, 2), (2, 2), (3, 2)}
+    assert all(excess == 100 for excess in held.excess.values())
+    assert held.ratio[1, 2, "gradients"] == (4 * n + 100) / (4 * n)  # stage 1 keeps whole gradients
+    assert held.ratio[2, 2, "gradients"] == (2 * n + 100) / (2 * n)
+    assert held.table().splitlines()[0].split() == [
+        "N",
+        "stage",
+        "optimizer_states",
+        "gradients",
+        "parameters",
+    ]
+    assert len(held.table().splitlines()) == 4
+
+
+def test_points_table_and_peak_phase_groups():
+    points = ledger.measure_point("qwen2-tiny", 1, 16)
+    rows = ledger.compare.points_table(points).splitlines()
+    assert rows[0].split()[:4] == ["model", "batch", "seq", "update"] and len(rows) == 3
+    assert rows[1].split()[:4] == ["qwen2-tiny", "1", "16", "first"]
+    assert f"{points[1].measured_peak:,}" in rows[2] and rows[2].endswith(
+        points[1].predicted.peak_overlap().phase
+    )
+    groups = ledger.compare.by_peak_phase(points)
+    assert sum(len(v) for v in groups.values()) == 2
+    assert "qwen2-tiny b1s16 steady" in groups[points[1].measured.peak_phase]
+
+
+def test_allocator_pair_measures_again_only_a_pair_without_an_allocator():
+    plain = ledger.measure_point("qwen2-tiny", 1, 16)
+    again = ledger.allocator_pair(*plain, run_mode="cpu", seed=0)
+    assert again[0] is not plain[0] and [c.step for c in again] == ["first", "steady"]
+    assert all(c.measured.step_peak_allocated_bytes is not None for c in again)
+    assert (again[1].model, again[1].batch, again[1].seq) == ("qwen2-tiny", 1, 16)
+    assert again[1].tracked_peak == plain[1].tracked_peak  # the same point: the same tensors
+    assert ledger.allocator_pair(*again) == again  # it carries them now: nothing runs again

@@ -227,6 +227,9 @@ NOT_BRANCHES = {
     "context from a gpu-check report; tests/test_task4_ledger.py runs both sides",
     "performance.timing_counts": "picks the default warm-up and timed update counts for the device; nothing runs on "
     "CUDA, tests/test_task6_gates.py covers both sides",
+    "ledger.terms.DeviceTerms.on_cuda": "names the device of a DeviceTerms; the terms are values (points, slack, "
+    "tolerances) and the same cells run with either: tests/test_task4_ledger.py runs Task4's calls with CUDA's terms and "
+    "choices forced on a CPU",
     "ledger.allocator.cuda_context": "reads a gpu-check report's mode (a report of a GPU run or a CPU self-test); "
     "nothing runs on CUDA, tests/test_task4_ledger.py reads both kinds",
 }
@@ -244,18 +247,24 @@ NOTEBOOK_CELLS = {
     "Task3:record-amp": "prints FP16 vs FP32 peak and median",
     "Task3:trainer-count": "TrainingArguments(use_cpu=False): the Trainer counts num_items_in_batch on the GPU",
     "Task3:resume-check": "resume within 1e-2 relative on CUDA (atomics), bitwise on CPU",
-    "Task4:imports-setup": "ledger.CUDA_POINTS instead of the CPU points; SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer instead of byte for byte",
-    "Task4:lifecycle-vs-measured": "lifecycles key by key within ledger.CUDA_LIFECYCLE_TOLERANCE instead of byte for byte",
-    "Task4:bytes-by-phase": "per-phase maxima within 5 % on CUDA (byte for byte on CPU)",
-    "Task4:peak-composition": "the peak's composition by category within 1 % of the peak on CUDA (byte for byte on CPU)",
-    "Task4:baseline-peaks": "the byte-for-byte claim over every point is CPU-only (CUDA: within 5 %, the count of exact points printed)",
-    "Task4:cuda-allocator-peaks": "ledger.allocated_reserved on the GPU's own counters: the allocator model's allocated peak "
-    "within 5 %, reserved beside it, the warm-up's cuBLAS workspaces measured and claimed > 0, the allocator history (CPU: the profiler's "
-    "allocator against the tracked tensors)",
-    "Task4:record-state-ledger": "the record's fields from ledger.record_fields (CUDA: the step's own allocator peaks, "
-    "the allocator's forward+backward peak)",
+    "Task4:imports-setup": "TERMS = ledger.device_terms('cuda'): ledger.CUDA_POINTS instead of the CPU points; SLACK = "
+    "ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer instead of byte for byte",
+    "Task4:lifecycle-vs-measured": "lifecycles key by key within TERMS.lifecycle_tolerance (CUDA: ledger.CUDA_LIFECYCLE_TOLERANCE) "
+    "instead of byte for byte",
+    "Task4:bytes-by-phase": "per-phase maxima within TERMS.phase_tolerance (CUDA 5 %, CPU byte for byte)",
+    "Task4:peak-composition": "the peak's composition by category within TERMS.composition_tolerance (CUDA 1 % of the peak, "
+    "CPU byte for byte)",
+    "Task4:baseline-peaks": "the byte-for-byte claim over every point is made where TERMS.exact_points (CPU only; CUDA: "
+    "within 5 %, the count of exact points printed)",
+    "Task4:cuda-allocator-peaks": "one path: ledger.allocator_pair keeps the CUDA-measured pair (the caching allocator counted), "
+    "ledger.allocated_reserved replays CUDA's allocator model (PYTORCH_CUDA_ALLOC_CONF checked) and the model's allocated peak "
+    "is claimed within TERMS.allocator_model_tolerance of torch.cuda's; the warm-up's cuBLAS workspaces claimed > 0 "
+    "(TERMS.blas_workspace_measured); the allocator history printed (CPU: the profiler's allocator, and the tracked "
+    "tensors within 1 %)",
+    "Task4:record-state-ledger": "the record's fields from ledger.record_fields(on_cuda=TERMS.on_cuda): the step's own "
+    "allocator peaks, the allocator's forward+backward peak",
     "Task4:multi-device-run": "section 8 runs on the CPU with the GPU machine's torch: the exact held-bytes, bitwise and "
-    "collective checks tuned on the CPU profile's torch are printed there, not claimed (EXACT = False)",
+    "collective checks tuned on the CPU profile's torch are printed there, not claimed (EXACT = TERMS.exact_engines, False)",
     "Task5:imports-setup": "3 warm-up + 21 timed updates on CUDA (1 + 3 on CPU)",
     "Task5:protocol": "gate 2 against the baseline everywhere; the bitwise claim on CPU only, for strategies that keep "
     "every tensor's layout",

@@ -223,7 +223,8 @@ def check_ledger_on_device(probe: Probe) -> str:
         abs(first.error) <= 0.05 and abs(steady.error) <= 0.05,
         f"the ledger's peak is off by more than 5 %: {errors}",
     )
-    tolerance = ledger.CUDA_LIFECYCLE_TOLERANCE if probe.cuda else (0.0, 0)
+    terms = ledger.device_terms(probe.device.type)  # Task4's values for this device
+    tolerance = terms.lifecycle_tolerance
     require(
         not any(c.lifecycle_differences(tolerance) for c in (first, steady)),
         f"lifecycles crossing a phase: {first.lifecycle_line(tolerance)}; {steady.lifecycle_line(tolerance)}",
@@ -243,7 +244,7 @@ def check_ledger_on_device(probe: Probe) -> str:
     rng = [f"{t.name.rsplit('.', 1)[-1]} {t.nbytes} B" for t in rows if "rng" in t.name]
     inventory = sum(t.nbytes for t in rows)
     require(
-        all(abs(x - inventory) <= (ledger.CUDA_SLACK_BYTES_PER_LAYER if probe.cuda else 0) for x in added),
+        all(abs(x - inventory) <= terms.slack_bytes_per_layer for x in added),
         f"bf16 saved bytes per layer {added} vs the {bf16.kernel} inventory's {inventory:,} "
         f"(RNG state rows: {rng or 'none'})",
     )
@@ -266,20 +267,13 @@ def check_ledger_on_device(probe: Probe) -> str:
         added_math = forced.measured.saved_added_per_layer(forced.predicted.shape.num_layers)
         require(
             forced.kernel == "math"
-            and all(
-                abs(x - inventory_math) <= (ledger.CUDA_SLACK_BYTES_PER_LAYER if probe.cuda else 0)
-                for x in added_math
-            ),
+            and all(abs(x - inventory_math) <= terms.slack_bytes_per_layer for x in added_math),
             f"bf16 forced math{' with dropout' if extra else ''}: the {forced.kernel} kernel ran, saved bytes per "
             f"layer {added_math} vs the math inventory's {inventory_math:,}",
         )
         math_rows.append(inventory_math)
-    measured = (
-        (first, steady)
-        if probe.cuda
-        else ledger.measure_point(probe.model_name, probe.batch, probe.seq, seed=0, allocator="cpu-profiler")
-    )
-    peaks = ledger.allocated_reserved(*measured)
+    # Task4's path: the pair itself on CUDA (its allocator counted), the same point under torch.profiler on a CPU
+    peaks = ledger.allocated_reserved(*ledger.allocator_pair(first, steady, run_mode=probe.mode, seed=0))
     require(  # the model's peaks against the allocator's own (torch.cuda.max_memory_*), not against themselves
         not probe.cuda
         or (

@@ -4,7 +4,9 @@ A *site* is one place whose behaviour depends on running on CUDA:
 
 - a comparison with the string "cuda" or "cpu" (`device.type == "cuda"`, `device == "cpu"`, …),
 - a read of an `on_cuda` / `cuda` / `on_gpu` flag (`session.on_cuda`, `self.cuda`),
-- a call into `torch.cuda.*` (`torch.cuda.synchronize(...)`, `torch.cuda.Event(...)`).
+- a call into `torch.cuda.*` (`torch.cuda.synchronize(...)`, `torch.cuda.Event(...)`),
+- in a notebook cell, a read of the page's device terms (`TERMS.phase_tolerance`, where
+  `TERMS = ledger.device_terms(DEVICE)`): the same code runs everywhere, with a value the device picks.
 
 Sites are grouped by where they live: `module.qualname` for the package (the function or class
 method that holds them, e.g. `measure.cuda_peaks`) and `TaskN:cell-NN` for a notebook cell. The
@@ -24,6 +26,7 @@ __all__ = [
     "NOTEBOOKS_DIR",
     "FLAGS",
     "DEVICE_STRINGS",
+    "TERMS",
     "Site",
     "package_sites",
     "notebook_sites",
@@ -34,6 +37,7 @@ __all__ = [
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = PACKAGE_DIR.parent / "notebooks"
 FLAGS = frozenset({"on_cuda", "cuda", "on_gpu"})  # attribute or variable names that mean "running on CUDA"
+TERMS = frozenset({"TERMS"})  # notebook variables that hold the device's terms (ledger.device_terms)
 DEVICE_STRINGS = frozenset({"cuda", "cpu"})
 
 
@@ -63,16 +67,17 @@ def _is_device_compare(node: ast.AST) -> bool:
     )
 
 
-def _is_flag(node: ast.AST) -> bool:
+def _is_flag(node: ast.AST, names: frozenset[str] = FLAGS) -> bool:
     if isinstance(node, ast.Attribute) and node.attr in FLAGS and isinstance(node.ctx, ast.Load):
         return True
-    return isinstance(node, ast.Name) and node.id in FLAGS and isinstance(node.ctx, ast.Load)
+    return isinstance(node, ast.Name) and node.id in names and isinstance(node.ctx, ast.Load)
 
 
 class _Finder(ast.NodeVisitor):
     """Collect (qualname, node) for every site; annotations are skipped (a type is no branch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] = FLAGS) -> None:
+        self.names = names  # the flag variables this source's reads are sites of
         self.scope: list[str] = []
         self.found: list[tuple[str, ast.AST]] = []
 
@@ -94,22 +99,22 @@ class _Finder(ast.NodeVisitor):
         self.visit(node.target)
 
     def generic_visit(self, node):
-        if _is_device_compare(node) or _is_flag(node) or _is_torch_cuda_call(node):
+        if _is_device_compare(node) or _is_flag(node, self.names) or _is_torch_cuda_call(node):
             self.found.append((".".join(self.scope), node))
             if isinstance(node, ast.Call):  # its arguments may hold more, same group anyway
                 return
         super().generic_visit(node)
 
 
-def _sites(source: str, key_of, path: str, line_offset: int = 0) -> list[Site]:
+def _sites(source: str, key_of, path: str, names: frozenset[str] = FLAGS) -> list[Site]:
     tree = ast.parse(source)
-    finder = _Finder()
+    finder = _Finder(names)
     finder.visit(tree)
     lines = source.splitlines()
     out = []
     for qualname, node in finder.found:
         text = ast.get_source_segment(source, node) or lines[node.lineno - 1]
-        out.append(Site(key_of(qualname), path, node.lineno + line_offset, text.splitlines()[0].strip()))
+        out.append(Site(key_of(qualname), path, node.lineno, text.splitlines()[0].strip()))
     return out
 
 
@@ -149,6 +154,7 @@ def notebook_sites(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[Site]:
                 _cell_source(cell),
                 lambda _q, t=task, c=cell["id"]: f"{t}:{c}",
                 f"notebooks/{path.name}#{cell['id']}",
+                FLAGS | TERMS,
             )
     return out
 

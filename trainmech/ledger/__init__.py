@@ -20,6 +20,7 @@ Read it one file at a time, in this order:
     formulas.py     published formulas beside it: ZeRO, Korthikanti, DeepSpeed's estimators
     compare.py      predicted vs measured at one point (measure_point, Comparison)
     record.py       a point's allocator peaks and its TRAIN-STATE-LEDGER record fields
+    terms.py        what a device's measurements are held to on Task4 (values, never other code)
     measured_matrix.py  the scenario matrix's cells, measured
     peers.py        the benchmark: the ledger, accelerate and DeepSpeed against the same measurements
     cli.py          python -m trainmech ledger
@@ -81,6 +82,7 @@ from trainmech.ledger.record import AllocatedReserved, allocated_reserved, recor
 from trainmech.ledger.scenarios import Scenario, scenario_ledger, scenario_matrix
 from trainmech.ledger.shape import SUPPORTED_MODEL_TYPES, ModelShape, load_config, model_shape
 from trainmech.ledger.states import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS
+from trainmech.ledger.terms import DeviceTerms, allocator_pair, device_terms
 
 __all__ = [
     "Ledger",
@@ -110,6 +112,9 @@ __all__ = [
     "measured_bytes_per_param",
     "model_state_bytes_per_param",
     "padded_batch",
+    "DeviceTerms",
+    "device_terms",
+    "allocator_pair",
     "deepspeed_zero2_gpu_bytes",
     "deepspeed_zero3_gpu_bytes",
     "korthikanti_activation_bytes",

@@ -396,4 +396,5 @@ def training_state_lifecycle(
     )
     states = step_states(setup)
     updated = {st.created.removesuffix(UPDATE_SUFFIX) for st in states if st.created.endswith(UPDATE_SUFFIX)}
-    return Ledger(setup, tuple(ticks(shape.num_layers, checkpointing, updated)), tuple(states))
+    clock = ticks(shape.num_layers, checkpointing, updated, cast_logits=setup.dtypes.sixteen_bit)
+    return Ledger(setup, tuple(clock), tuple(states))

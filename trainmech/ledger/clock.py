@@ -31,8 +31,10 @@ UPDATE_SUFFIX = (
 )
 
 
-def ticks(n_layers: int, checkpointing: str = "none", updated=()) -> list[str]:
-    """The moments of one step, in order. updated: ticks followed by an in-backward update (`<tick>+update`)."""
+def ticks(n_layers: int, checkpointing: str = "none", updated=(), cast_logits: bool = False) -> list[str]:
+    """The moments of one step, in order. updated: ticks followed by an in-backward update (`<tick>+update`).
+    cast_logits: 16-bit logits, which the loss upcasts (`logits.float()`): the backward of that copy casts
+    the fp32 gradient back to 16 bits inside the loss's backward (`backward.loss:cast`)."""
     out = [
         "forward.embed",
         *(f"forward.layer.{i}" for i in range(n_layers)),
@@ -41,6 +43,7 @@ def ticks(n_layers: int, checkpointing: str = "none", updated=()) -> list[str]:
         "loss",
         "backward.loss:nll",
         "backward.loss:log_softmax",
+        *(["backward.loss:cast"] if cast_logits else []),
         "backward.head:lm_head",
         "backward.head:norm",
     ]

@@ -32,6 +32,8 @@ __all__ = [
     "clear_blas_workspaces",
     "Comparison",
     "padded_batch",
+    "points_table",
+    "by_peak_phase",
     "measure_point",
     "measured_bytes_per_param",
     "model_state_bytes_per_param",
@@ -128,6 +130,27 @@ class Comparison:
             f"phase, {sum(theirs.values()):,} bytes over the step; differences: "
             f"{self.lifecycle_differences(tolerance) or 'none'}"
         )
+
+
+def points_table(points: list[Comparison]) -> str:
+    """One row per point: predicted and measured peak, their ratio and error, the predicted peak phase."""
+    rows = [
+        f"{'model':<14}{'batch':>6}{'seq':>6}  {'update':<8}{'predicted':>14}{'measured':>14}{'ratio':>8}{'error':>9}  peak phase"
+    ]
+    for c in points:
+        rows.append(
+            f"{c.model:<14}{c.batch:>6}{c.seq:>6}  {c.step:<8}{c.predicted_peak:>14,}{c.measured_peak:>14,}"
+            f"{c.predicted_peak / c.measured_peak:>8.4f}{c.error:>+9.3%}  {c.predicted.peak_overlap().phase}"
+        )
+    return "\n".join(rows)
+
+
+def by_peak_phase(points: list[Comparison]) -> dict[str, list[str]]:
+    """Measured peak phase -> the points whose measured peak is there ("model bBsS step"), in order."""
+    out: dict[str, list[str]] = {}
+    for c in points:
+        out.setdefault(c.measured.peak_phase, []).append(f"{c.model} b{c.batch}s{c.seq} {c.step}")
+    return out
 
 
 # What a CUDA run's tracked storage bytes may differ from the ledger by, per decoder layer: storage bytes

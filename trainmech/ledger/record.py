@@ -86,9 +86,8 @@ def allocated_reserved(first: Comparison, steady: Comparison) -> AllocatedReserv
         got.peak_bytes,
         got.step_peak_allocated_bytes,
         got.peak_reserved_bytes,
-        allocator_model.cuda_peaks(
-            first.predicted, steady.predicted, alloc_conf=_alloc_conf() if got.peak_reserved_bytes else None
-        ),
+        # one path on every allocator: the model replays CUDA's rules, which this configuration may change
+        allocator_model.cuda_peaks(first.predicted, steady.predicted, alloc_conf=_alloc_conf()),
     )
 
 

@@ -360,14 +360,14 @@ def backward_states(setup: Setup) -> list[State]:
             "upstream_grads",
             b * s * v * FP32_BYTES,
             "backward.loss:log_softmax",
-            "backward.loss:log_softmax" if dtypes.sixteen_bit else "backward.head:lm_head",
+            "backward.loss:cast" if dtypes.sixteen_bit else "backward.head:lm_head",
         ),
     ]
-    if dtypes.sixteen_bit:
+    if (
+        dtypes.sixteen_bit
+    ):  # the backward of logits.float(), inside the loss's: the gradient cast back to 16 bits
         out.append(
-            State(
-                "dlogits", "upstream_grads", b * s * v * act, "backward.head:lm_head", "backward.head:lm_head"
-            )
+            State("dlogits", "upstream_grads", b * s * v * act, "backward.loss:cast", "backward.head:lm_head")
         )
     if dtypes.autocast:  # the head's weight gradient is computed in 16 bits, then cast to fp32
         out.append(

@@ -34,6 +34,9 @@ __all__ = [
     "communication",
     "zero_volume",
     "held_per_rank",
+    "FIRST_STAGE_SPLITTING",
+    "HeldAgainstRule",
+    "held_against_rule",
 ]
 
 ZERO_SPLIT = {
@@ -419,3 +422,55 @@ def held_per_rank(config, stage: int, world_size: int, rank: int = 0) -> dict[st
         "optimizer_states": 2 * FP32_BYTES * sum(s.local(world_size, rank) for s in shards)
         + STEP_COUNTER_BYTES * len(shards),
     }
+
+
+FIRST_STAGE_SPLITTING = {
+    "optimizer_states": 1,
+    "gradients": 2,
+    "parameters": 3,
+}  # ZeRO: the stage that partitions each
+
+
+@dataclass(frozen=True)
+class HeldAgainstRule:
+    """The heaviest rank's held bytes against ZeRO's bytes per device, keyed (stage, N, category):
+    ratio = heaviest / rule, excess = heaviest − rule (the rank a device's memory must fit)."""
+
+    ratio: dict[tuple[int, int, str], float]
+    excess: dict[tuple[int, int, str], float]
+
+    def table(self) -> str:
+        """One row per (N, stage), one column per category: the ratios."""
+        rows = [f"{'N':>2} {'stage':>5}" + "".join(f"{c:>18}" for c in FIRST_STAGE_SPLITTING)]
+        for devices, stage in sorted({(n, s) for s, n, _ in self.ratio}):
+            rows.append(
+                f"{devices:>2} {stage:>5}"
+                + "".join(f"{self.ratio[stage, devices, c]:>18.4f}" for c in FIRST_STAGE_SPLITTING)
+            )
+        return "\n".join(rows)
+
+
+def held_against_rule(reports, config) -> HeldAgainstRule:
+    """Every stage 1-3 and every N > 1 of `reports` (trainmech.distributed.RankReport: `held` bytes after
+    the update, gradients when it starts): the heaviest rank's bytes per category against ZeRO's rule for
+    fp32 AdamW (4 + 4 + 8 bytes per parameter, the category divided by N from the stage that partitions
+    it, FIRST_STAGE_SPLITTING). AdamW's step counters are not in the rule: they are the excess's remainder."""
+    from trainmech.ledger.shape import model_shape
+
+    n_params = model_shape(config).n_params
+    whole = {
+        c: k * FP32_BYTES * n_params
+        for c, k in (("parameters", 1), ("gradients", 1), ("optimizer_states", 2))
+    }
+    ratio, excess = {}, {}
+    for devices in sorted({r.world_size for r in reports if r.world_size > 1}):
+        for stage in (1, 2, 3):
+            ranks = [r for r in reports if (r.stage, r.world_size) == (stage, devices)]
+            for category, split_at in FIRST_STAGE_SPLITTING.items():
+                rule = whole[category] / devices if stage >= split_at else whole[category]
+                heaviest = max(r.held[category] for r in ranks)
+                ratio[stage, devices, category], excess[stage, devices, category] = (
+                    heaviest / rule,
+                    heaviest - rule,
+                )
+    return HeldAgainstRule(ratio, excess)

@@ -67,15 +67,16 @@ def lifecycle_chart(rows, phases: list[str]):
     return fig
 
 
-def memory_timeline(
-    live: list[int], phases: list[str], baseline: int, predicted: list[tuple[str, dict[str, int]]]
-):
+def memory_timeline(measured, book):
     """Top: measured live bytes after every allocation event, the ledger's phase maxima, the peaks marked.
     Bottom: the ledger's composition by category at every tick (stacked), the peak tick outlined.
 
-    live, phases: a measured step (trainmech.measure.StepMemory.live / .phases; baseline = bytes
-    alive before it); predicted: trainmech.ledger.Ledger.live().
+    measured: a trainmech.measure.StepMemory (its live bytes per event, their phases, and the bytes
+    alive before the step); book: the trainmech.ledger.Ledger of the same step, whose `live()` and
+    `by_phase()` (the phase maxima) are drawn as the ledger computes them.
     """
+    live, phases, baseline = measured.live, measured.phases, sum(measured.baseline.values())
+    predicted, phase_maxima = book.live(), book.by_phase()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, 6.2), layout="constrained")
     plt.close(fig)
     mib = 2**20
@@ -85,15 +86,16 @@ def memory_timeline(
     for k, p in enumerate(phases):
         starts.setdefault(p, k)
     bounds = sorted(starts.items(), key=lambda kv: kv[1]) + [("end", len(phases))]
-    by_phase: dict[str, float] = {}
-    for tick, row in predicted:
-        p = tick.split(":")[0]
-        by_phase[p] = max(by_phase.get(p, 0.0), sum(row.values()) / mib)
     for (p, a), (_, b) in zip(bounds, bounds[1:]):
         top.axvline(a, color="0.85", lw=0.6)
-        if p in by_phase:
+        if p in phase_maxima:
             top.hlines(
-                by_phase[p], a, b, colors="tab:green", lw=2, label="ledger, phase maximum" if a == 0 else None
+                phase_maxima[p] / mib,
+                a,
+                b,
+                colors="tab:green",
+                lw=2,
+                label="ledger, phase maximum" if a == 0 else None,
             )
         top.annotate(
             p.replace("forward.", "f.").replace("backward.", "b."),

@@ -1,0 +1,98 @@
+"""What one device's measurements are held to on Task4's page: values the device picks, never other code.
+
+    TERMS = device_terms("cuda")                    # CUDA's points, per-layer slack, tolerances
+    pair = allocator_pair(first, steady, ...)       # the pair with an allocator's peaks counted
+
+Task4 runs the same cells on a CPU and on a GPU; only these values differ. A CPU test runs every one of
+those cells' calls with CUDA's terms and CUDA's choices forced (math SDPA for fp32 grouped-query
+attention, foreach AdamW, an allocator counted), so that a GPU run cannot fail for a reason a CPU
+could have caught.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainmech.errors import TrainmechError
+from trainmech.ledger.compare import (
+    CPU_POINTS,
+    CUDA_LIFECYCLE_TOLERANCE,
+    CUDA_POINTS,
+    CUDA_SLACK_BYTES_PER_LAYER,
+    Comparison,
+    measure_point,
+)
+
+__all__ = ["DeviceTerms", "device_terms", "allocator_pair"]
+
+
+@dataclass(frozen=True)
+class DeviceTerms:
+    """The values Task4's checks take on one device.
+
+    points: the (model -> [(batch, seq)]) points of the baseline table. slack_bytes_per_layer: what a
+    measured storage count may differ from the ledger by per decoder layer (CPU none; CUDA a scalar a
+    kernel keeps that the inventory does not name). lifecycle_tolerance: (relative, bytes) per
+    (category, created, released) group. phase_tolerance: relative, per phase maximum.
+    composition_tolerance: the peak's composition by category, as a fraction of the peak.
+    exact_points: every point's predicted peak equals the measured one byte for byte (the CPU counts
+    the tensor storages the ledger names; CUDA counts the allocator's rounded blocks).
+    allocator_model_tolerance: the allocator model's allocated peak against the allocator's measured one.
+    allocator_tracked_tolerance: the allocator's peak against the tracked tensors (None: not claimed;
+    on CUDA the allocator's peak has rounding and kernel scratch the tracker cannot see).
+    blas_workspace_measured: the warm-up measures the cuBLAS workspaces (CUDA only).
+    exact_engines: section 8's exact bytes, bitwise results and collective counts were checked on the
+    torch the CPU profile pins; the GPU machine's torch differs.
+    """
+
+    device: str
+    points: dict
+    slack_bytes_per_layer: int
+    lifecycle_tolerance: tuple[float, int]
+    phase_tolerance: float
+    composition_tolerance: float
+    exact_points: bool
+    allocator_model_tolerance: float
+    allocator_tracked_tolerance: float | None
+    blas_workspace_measured: bool
+    exact_engines: bool
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+_TERMS = {
+    "cpu": DeviceTerms("cpu", CPU_POINTS, 0, (0.0, 0), 0.0, 0.0, True, 0.05, 0.01, False, True),
+    "cuda": DeviceTerms(
+        "cuda",
+        CUDA_POINTS,
+        CUDA_SLACK_BYTES_PER_LAYER,
+        CUDA_LIFECYCLE_TOLERANCE,
+        0.05,
+        0.01,
+        False,
+        0.05,
+        None,
+        True,
+        False,
+    ),
+}
+
+
+def device_terms(device: str) -> DeviceTerms:
+    """The terms of `device` ("cpu" or "cuda")."""
+    if device not in _TERMS:
+        raise TrainmechError(f"no terms for device {device!r}: valid are {', '.join(_TERMS)}")
+    return _TERMS[device]
+
+
+def allocator_pair(first: Comparison, steady: Comparison, **options) -> tuple[Comparison, Comparison]:
+    """(first, steady) with an allocator's peaks counted: the pair itself when it carries them (CUDA's
+    caching allocator is counted by default, or the pair ran with allocator="cpu-profiler"); otherwise
+    the same point again under torch.profiler's CPU allocator events (`options`: measure_point's, e.g.
+    run_mode, seed, dtype, padded, as the pair was measured)."""
+    if steady.measured.step_peak_allocated_bytes is not None:
+        return first, steady
+    again = measure_point(first.model, first.batch, first.seq, allocator="cpu-profiler", **options)
+    return again[0], again[1]
