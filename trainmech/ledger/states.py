@@ -91,18 +91,10 @@ class Setup:
 
 def layer_rows(setup: Setup) -> list[SavedTensor]:
     """One decoder layer's saved-tensor inventory in this step's setup (`inventory.layer_saved`)."""
-    return layer_saved(
-        setup.shape,
-        setup.batch,
-        setup.seq,
-        setup.recipe,
-        setup.kernel,
-        device=setup.device,
-        padded=setup.padded,
-        weigh_rng=setup.weigh_rng,
-        repeat_kv=setup.repeat_kv,
-        dropout=setup.dropout,
-    )
+    options = {
+        name: getattr(setup, name) for name in ("device", "padded", "weigh_rng", "repeat_kv", "dropout")
+    }
+    return layer_saved(setup.shape, setup.batch, setup.seq, setup.recipe, setup.kernel, **options)
 
 
 def step_states(setup: Setup) -> list[State]:
