@@ -174,7 +174,7 @@ def inputs_gate(
             "inputs",
             False,
             evidence,
-            f"attempt {differ}: the model received {got} of the reference's {want} sequences, or other ones",
+            f"attempt {differ}: the model received {got} of the reference's {want} sequences (or different ones)",
         )
     if candidate.rng != ref.rng[:n]:
         return Verdict(
