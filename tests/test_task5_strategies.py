@@ -214,6 +214,23 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     )
 
 
+def test_left_in_cache_reads_both_layouts_of_torchs_selective_cache():
+    # torch 2.11 (the GPU run's): op -> list of kept outputs, the recompute pops each it reads;
+    # newer torch: op -> {key: output or a sentinel}. Both must count the kept outputs nobody read.
+    out = torch.zeros(1)
+    listed = C.RecomputeCount([C.Region(cache={"mm": [out], "add": []}), C.Region(cache={"mm": [out, out]})])
+    assert listed.left_in_cache_ops == 3
+    sentinels = [
+        getattr(torch.utils.checkpoint, n)
+        for n in ("_RECOMPUTE", "_CONSUMED")
+        if hasattr(torch.utils.checkpoint, n)
+    ]
+    keyed = C.RecomputeCount(
+        [C.Region(cache={"mm": {0: out, **{k + 1: e for k, e in enumerate(sentinels)}}})]
+    )
+    assert keyed.forget_caches() == 1 and keyed.left_in_cache_ops is None
+
+
 def test_recompute_count_finds_a_replay_that_is_not_the_forwards_prefix():
     """The skipped ops are read off the forward after the replay's prefix: a replay in another order is refused."""
     count = C.RecomputeCount([C.Region(["mm", "silu", "mul", "mm"], ["mm", "silu"], ["silu"])], saved_ops=2)
