@@ -478,6 +478,21 @@ def test_offload_moves_what_the_ledger_lists_and_its_peak_is_the_ledgers(batch, 
     assert fetched and all(tracked.category(a) == "saved" for a in fetched)  # one vocabulary with the ledger
 
 
+@pytest.mark.parametrize("window", [0, 1, 2])
+def test_offload_issues_each_h2d_the_window_ahead_of_its_layer(model, batch, window):
+    # fetch_leads observes the window: a hook that fetched on demand (or at a kept reference's unpack, in its own
+    # layer) would show 0 whatever the window says
+    hooks = activation_offload(model, min_bytes=HIDDEN // 2, prefetch_groups=window)
+    with hooks:
+        model(**batch).loss.backward()
+    stats = hooks.finish()
+    model.zero_grad(set_to_none=True)
+    layers = model.config.num_hidden_layers
+    inner = {g: n for g, n in stats.fetch_leads.items() if g + window < layers}
+    assert inner and set(inner.values()) == {window}
+    assert stats.on_demand == 0 and sorted(stats.fetch_leads) == list(range(layers - 1))
+
+
 def test_offload_second_step_allocates_no_host_memory_and_two_at_once_are_refused(model, batch):
     arena = HostArena(pinned=False)
     stats = []
