@@ -214,6 +214,23 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     )
 
 
+def test_left_in_cache_reads_both_layouts_of_torchs_selective_cache():
+    # torch 2.11 (the GPU run's): op -> list of kept outputs, the recompute pops each it reads;
+    # newer torch: op -> {key: output or a sentinel}. Both must count the kept outputs nobody read.
+    out = torch.zeros(1)
+    listed = C.RecomputeCount([C.Region(cache={"mm": [out], "add": []}), C.Region(cache={"mm": [out, out]})])
+    assert listed.left_in_cache_ops == 3
+    sentinels = [
+        getattr(torch.utils.checkpoint, n)
+        for n in ("_RECOMPUTE", "_CONSUMED")
+        if hasattr(torch.utils.checkpoint, n)
+    ]
+    keyed = C.RecomputeCount(
+        [C.Region(cache={"mm": {0: out, **{k + 1: e for k, e in enumerate(sentinels)}}})]
+    )
+    assert keyed.forget_caches() == 1 and keyed.left_in_cache_ops is None
+
+
 def test_recompute_count_finds_a_replay_that_is_not_the_forwards_prefix():
     """The skipped ops are read off the forward after the replay's prefix: a replay in another order is refused."""
     count = C.RecomputeCount([C.Region(["mm", "silu", "mul", "mm"], ["mm", "silu"], ["silu"])], saved_ops=2)
@@ -459,6 +476,21 @@ def test_offload_moves_what_the_ledger_lists_and_its_peak_is_the_ledgers(batch, 
     assert view.peak_overlap().phase == tracked.peak_phase
     fetched = [a for a in tracked.allocations if a.born_phase.endswith(":fetch")]
     assert fetched and all(tracked.category(a) == "saved" for a in fetched)  # one vocabulary with the ledger
+
+
+@pytest.mark.parametrize("window", [0, 1, 2])
+def test_offload_issues_each_h2d_the_window_ahead_of_its_layer(model, batch, window):
+    # fetch_leads observes the window: a hook that fetched on demand (or at a kept reference's unpack, in its own
+    # layer) would show 0 whatever the window says
+    hooks = activation_offload(model, min_bytes=HIDDEN // 2, prefetch_groups=window)
+    with hooks:
+        model(**batch).loss.backward()
+    stats = hooks.finish()
+    model.zero_grad(set_to_none=True)
+    layers = model.config.num_hidden_layers
+    inner = {g: n for g, n in stats.fetch_leads.items() if g + window < layers}
+    assert inner and set(inner.values()) == {window}
+    assert stats.on_demand == 0 and sorted(stats.fetch_leads) == list(range(layers - 1))
 
 
 def test_offload_second_step_allocates_no_host_memory_and_two_at_once_are_refused(model, batch):

@@ -164,6 +164,20 @@ def _counted(func) -> bool:
     return func.namespace == "aten" and not func.is_view and func not in _ALIASES
 
 
+def _unread_entries(per_op) -> int:
+    """Outputs one op's slot of torch's selective cache still holds, unread by any recompute. Two layouts: a dict
+    (newer torch: key -> output, or the sentinel `_CONSUMED` once handed back, `_RECOMPUTE` for a recomputed op)
+    or a list (torch 2.11: only kept outputs are appended, the recompute pops each one it reads)."""
+    if isinstance(per_op, dict):
+        empty = tuple(
+            getattr(torch.utils.checkpoint, n)
+            for n in ("_RECOMPUTE", "_CONSUMED")
+            if hasattr(torch.utils.checkpoint, n)
+        )
+        return sum(not any(entry is e for e in empty) for entry in per_op.values())
+    return len(per_op)
+
+
 @dataclass
 class Region:
     """One checkpointed region's ops in order (views excluded): those its forward ran, those the recompute reached
@@ -228,13 +242,7 @@ class RecomputeCount:
         caches = [r.cache for r in self.regions if r.cache is not None]
         if not caches:
             return None
-        empty = tuple(getattr(torch.utils.checkpoint, name) for name in ("_RECOMPUTE", "_CONSUMED"))
-        return sum(
-            not any(entry is e for e in empty)
-            for cache in caches
-            for per_op in cache.values()
-            for entry in per_op.values()
-        )
+        return sum(_unread_entries(per_op) for cache in caches for per_op in cache.values())
 
     def forget_caches(self) -> int | None:
         """Drop the references to the selective caches (and the unread outputs in them); returns what

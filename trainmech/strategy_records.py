@@ -336,6 +336,21 @@ def saved_gone_before(book: ledger.Ledger, tick: str) -> dict[str, int]:
     }
 
 
+FETCHED = " (fetched back)"  # the suffix ledger.Ledger.offloaded gives the device copy an H2D brings back
+
+
+def fetched_back(book: ledger.Ledger, tick: str) -> tuple[dict[int, str], int]:
+    """In the offload ledger (`Ledger.offloaded`): each offloaded layer -> the tick its copies are fetched back
+    at (the earliest, in layer order); and the bytes of fetched-back copies alive at `tick`."""
+    index, fetched = _index(book), {}
+    for st in book.states:
+        if st.name.endswith(FETCHED) and st.name.startswith("layer."):
+            layer = int(st.name.split(".")[1])
+            fetched[layer] = min(fetched.get(layer, st.created), st.created, key=index.__getitem__)
+    alive = sum(n for name, n in alive_at(book, tick, "saved").items() if name.endswith(FETCHED))
+    return dict(sorted(fetched.items())), alive
+
+
 def recompute_report(
     counts: dict[str, RecomputeCount],
     dispatched: Counter,

@@ -282,9 +282,9 @@ NOTEBOOK_CELLS = {
     "Task5:timing-table": "the timing table, decisions from allocated peaks (reserved beside them), bytes per sequence and "
     "medians; the exposed fraction "
     "(per-copy CUDA events) and the step ratio against the measured bound",
-    "Task5:records": "save_on_cpu's tracked peak above the baseline's and the custom hooks' below it is claimed on CPU "
-    "only (there its host copies are tracked storages born in the update; on CUDA they are host memory); so is the "
-    "baseline difference between Task4's and Task6's steps",
+    "Task5:peak-reconcile": "save_on_cpu's tracked peak above the baseline's and the custom hooks' below it is claimed on "
+    "CPU only (there its host copies are tracked storages born in the update; on CUDA they are host memory); so is each "
+    "candidate's difference between Task4's and Task6's peaks (the logits Task6's step holds)",
     "Task6:checkpoint-passes": "forward + backward equal to the whole update's tracked peak is claimed on CPU only",
     "Task6:imports-setup": "3 warm-up + 21 timed steps on CUDA; one CPU thread only on CPU",
     "Task6:gradient-errors-figure": "the FP16 margin claim is CPU-only; on CUDA the margin is printed as unverified (the "

@@ -114,11 +114,14 @@ def overlap_claims(probe: Probe, profiled, trace: dict, stalled, stalls: list, o
         f"profiled step: {len(copies)} side-stream copies, {seen.hidden_s * 1e6:.1f} of {seen.copy_s * 1e6:.1f} us "
         f"during kernels; exposed {st.exposed_transfer_time_s * 1e6:.1f} of {st.transfer_time_s * 1e6:.1f} us",
     )
+    hidden = (
+        "no D2H copy" if behind.hidden_fraction is None else f"{behind.hidden_fraction:.0%}"
+    )  # None: nothing copied
     require(
         behind.copy_s > 0
         and behind.hidden_fraction >= HIDDEN_BEHIND_STALL_FRACTION
         and wait <= D2H_WAIT_FRACTION * behind.copy_s,
-        f"stalled step: {behind.hidden_fraction:.0%} of the D2H copies' {behind.copy_s * 1e6:.1f} us ran during "
+        f"stalled step: {hidden} of the D2H copies' {behind.copy_s * 1e6:.1f} us ran during "
         f"the stalls (first-guess floor {HIDDEN_BEHIND_STALL_FRACTION:.0%}), the compute stream waited "
         f"{wait * 1e6:.1f} us for them (first-guess ceiling {D2H_WAIT_FRACTION:.0%} of it)",
     )

@@ -44,6 +44,10 @@ class TransferStats:
     prefetched: int = 0  # H2D copies issued before the backward asked for that storage (issued, not arrived:
     #                      whether a copy was back in time is what the compute stream's H2D wait measures)
     on_demand: int = 0  # H2D copies issued only when the backward asked (it then waits for them)
+    fetch_leads: dict = field(
+        default_factory=dict
+    )  # packing group -> groups the backward was ahead of it when
+    #                      its H2D was issued (the least over its storages): the prefetch window, observed
     fetched_unused: int = 0  # H2D copies the backward never unpacked (let go at finish, after their copy)
     unpacked: int = 0  # saved references the backward read back, each counted once (`References`)
     unpacked_again: int = 0  # unpacks of a reference already read back once
@@ -220,8 +224,11 @@ class OffloadBook:
             if low <= e.group <= group and e.fetched is None and not e.released and e.refs > 0
         ]
 
-    def fetching(self, entry: Entry, ahead: bool) -> None:
+    def fetching(self, entry: Entry, ahead: bool, touched: int | None = None) -> None:
+        """An H2D for `entry` is issued while the backward touches group `touched` (None: its own group)."""
         self.stats.h2d_bytes += entry.nbytes
+        lead = (entry.group if touched is None else touched) - entry.group
+        self.stats.fetch_leads[entry.group] = min(lead, self.stats.fetch_leads.get(entry.group, lead))
         if ahead:
             self.stats.prefetched += 1
         else:

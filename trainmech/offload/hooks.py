@@ -166,7 +166,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _fetch_ahead(self, group: int, now) -> None:
         for e in self.book.to_fetch(group):
             if e is not now:
-                self.book.fetching(e, ahead=True)
+                self.book.fetching(e, ahead=True, touched=group)
                 self.copies.to_device(e)
 
     def finish(self) -> TransferStats:
