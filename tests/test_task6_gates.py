@@ -1060,3 +1060,14 @@ def test_the_profiles_carry_the_gate_workload_in_both_modes():
         spec = p.workloads[wid]
         assert spec.micro_batches == [2] and spec.batch % 2 == 0 and spec.updates > max(INJECT_AT) + 1
         assert spec.experiments == ["TRAIN-CORRECTNESS-GATE", "TRAIN-MEMORY-STRATEGY"]
+
+
+def test_the_smoke_gates_shape_is_one_where_the_ledger_predicts_a_checkpoint_gain():
+    """gpu-check's Task6 pass and check_gates claim that checkpointing lowers the forward + backward peak and the
+    bytes per sequence: the ledger must predict both on that shape. At 64 tokens on the tied 2-layer Qwen2.5 the
+    tied embedding's gradient sets the peak, the baseline slope is 0 and ledger_inputs refuses it."""
+    spec = profiles.for_mode("TRAIN-CUDA-MECHANISM").workload("smoke-gates")
+    predicted = gates.ledger_inputs(spec, "checkpoint")
+    assert predicted.update_drop > 0 and predicted.capacity_gain >= gates.RULE.min_peak_drop
+    with pytest.raises(ValueError, match="does not grow with the rows"):
+        gates.ledger_inputs(spec.model_copy(update={"seq": 64}), "checkpoint")
