@@ -11,6 +11,7 @@ rules are checked at their boundaries on plain numbers, the gates on small hand-
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from contextlib import contextmanager
 from dataclasses import replace
@@ -1071,3 +1072,16 @@ def test_the_smoke_gates_shape_is_one_where_the_ledger_predicts_a_checkpoint_gai
     assert predicted.update_drop > 0 and predicted.capacity_gain >= gates.RULE.min_peak_drop
     with pytest.raises(ValueError, match="does not grow with the rows"):
         gates.ledger_inputs(spec.model_copy(update={"seq": 64}), "checkpoint")
+
+
+def test_worst_of_is_nan_when_any_value_is_nan_wherever_it_sits():
+    """Python's max keeps a NaN only when it comes first: a NaN gradient error in a later parameter would vanish."""
+    nan = float("nan")
+    errors = gates.gradient_errors(
+        {"a": torch.ones(3), "b": torch.ones(3)}, {"a": torch.ones(3), "b": torch.tensor([1.0, nan, 1.0])}
+    )
+    assert (
+        errors["a"] == 0.0 and math.isnan(errors["b"]) and max(errors.values()) == 0.0
+    )  # what max alone does
+    assert math.isnan(gates.worst_of(errors.values())) and math.isnan(gates.worst_of([0.0, 1.0, nan]))
+    assert gates.worst_of([0.5, 2.0]) == 2.0 and gates.worst_of([]) == float("inf")
