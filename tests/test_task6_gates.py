@@ -1085,3 +1085,29 @@ def test_worst_of_is_nan_when_any_value_is_nan_wherever_it_sits():
     )  # what max alone does
     assert math.isnan(gates.worst_of(errors.values())) and math.isnan(gates.worst_of([0.0, 1.0, nan]))
     assert gates.worst_of([0.5, 2.0]) == 2.0 and gates.worst_of([]) == float("inf")
+
+
+def test_a_candidate_that_edits_its_windows_in_place_fails_its_own_inputs_gate_and_spares_the_next(
+    gw, reference
+):
+    def mask_a_label(state, window):  # in place, on the windows it was handed
+        for mb in window:
+            labels = mb["labels"]
+            at = (labels != workload.IGNORE_INDEX).nonzero()[:1]
+            labels[at[:, 0], at[:, 1]] = workload.IGNORE_INDEX
+        return candidates.window_backward(state, window)
+
+    bad = gate_report.judge(
+        candidates.Candidate("mutates-labels", "TRAIN-CHECKPOINT", backward=mask_a_label),
+        gw,
+        reference,
+        measure=False,
+    )
+    assert bad.failed_gate == "inputs" and "handed out differ" in bad.verdict("inputs").message
+    after = gate_report.judge(
+        candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing),
+        gw,
+        reference,
+        measure=False,
+    )
+    assert after.failed_gate is None
