@@ -11,6 +11,7 @@ rules are checked at their boundaries on plain numbers, the gates on small hand-
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from contextlib import contextmanager
 from dataclasses import replace
@@ -1060,3 +1061,53 @@ def test_the_profiles_carry_the_gate_workload_in_both_modes():
         spec = p.workloads[wid]
         assert spec.micro_batches == [2] and spec.batch % 2 == 0 and spec.updates > max(INJECT_AT) + 1
         assert spec.experiments == ["TRAIN-CORRECTNESS-GATE", "TRAIN-MEMORY-STRATEGY"]
+
+
+def test_the_smoke_gates_shape_is_one_where_the_ledger_predicts_a_checkpoint_gain():
+    """gpu-check's Task6 pass and check_gates claim that checkpointing lowers the forward + backward peak and the
+    bytes per sequence: the ledger must predict both on that shape. At 64 tokens on the tied 2-layer Qwen2.5 the
+    tied embedding's gradient sets the peak, the baseline slope is 0 and ledger_inputs refuses it."""
+    spec = profiles.for_mode("TRAIN-CUDA-MECHANISM").workload("smoke-gates")
+    predicted = gates.ledger_inputs(spec, "checkpoint")
+    assert predicted.update_drop > 0 and predicted.capacity_gain >= gates.RULE.min_peak_drop
+    with pytest.raises(ValueError, match="does not grow with the rows"):
+        gates.ledger_inputs(spec.model_copy(update={"seq": 64}), "checkpoint")
+
+
+def test_worst_of_is_nan_when_any_value_is_nan_wherever_it_sits():
+    """Python's max keeps a NaN only when it comes first: a NaN gradient error in a later parameter would vanish."""
+    nan = float("nan")
+    errors = gates.gradient_errors(
+        {"a": torch.ones(3), "b": torch.ones(3)}, {"a": torch.ones(3), "b": torch.tensor([1.0, nan, 1.0])}
+    )
+    assert (
+        errors["a"] == 0.0 and math.isnan(errors["b"]) and max(errors.values()) == 0.0
+    )  # what max alone does
+    assert math.isnan(gates.worst_of(errors.values())) and math.isnan(gates.worst_of([0.0, 1.0, nan]))
+    assert gates.worst_of([0.5, 2.0]) == 2.0 and gates.worst_of([]) == float("inf")
+
+
+def test_a_candidate_that_edits_its_windows_in_place_fails_its_own_inputs_gate_and_spares_the_next(
+    gw, reference
+):
+    def mask_a_label(state, window):  # in place, on the windows it was handed
+        for mb in window:
+            labels = mb["labels"]
+            at = (labels != workload.IGNORE_INDEX).nonzero()[:1]
+            labels[at[:, 0], at[:, 1]] = workload.IGNORE_INDEX
+        return candidates.window_backward(state, window)
+
+    bad = gate_report.judge(
+        candidates.Candidate("mutates-labels", "TRAIN-CHECKPOINT", backward=mask_a_label),
+        gw,
+        reference,
+        measure=False,
+    )
+    assert bad.failed_gate == "inputs" and "handed out differ" in bad.verdict("inputs").message
+    after = gate_report.judge(
+        candidates.candidate("checkpoint", "TRAIN-CHECKPOINT", candidates.activation_checkpointing),
+        gw,
+        reference,
+        measure=False,
+    )
+    assert after.failed_gate is None

@@ -131,9 +131,16 @@ def ledger_inputs(spec, strategy: str) -> RuleInputs:
         ) / (2 * rows)
 
     ours, base = book(strategy, rows).peak_overlap(), book("baseline", rows).peak_overlap()
+    base_per_row = per_row("baseline")
+    if base_per_row <= 0:
+        raise ValueError(
+            f"the ledger's baseline forward + backward peak does not grow with the rows on {spec.model}, "
+            f"micro-batch {rows} x {spec.seq} (it sits where no activation is alive, e.g. the tied embedding's "
+            "gradient): c is undefined there; choose a workload whose activations set the peak (longer sequences)"
+        )
     return RuleInputs(
         1 - ours.bytes / base.bytes,
-        1 - per_row(strategy) / per_row("baseline"),
+        1 - per_row(strategy) / base_per_row,
         phase=ours.phase,
         shape=f"{spec.model}, micro-batch {rows} x {spec.seq}",
     )

@@ -16,10 +16,11 @@ reached the performance stage.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from trainmech.candidates import Candidate, GateWorkload
+from trainmech.candidates import Candidate, GateWorkload, MicroBatches
 from trainmech.checks import num
 from trainmech.decision import RECORD_DECISION, decide
 from trainmech.display import format_table
@@ -40,7 +41,7 @@ from trainmech.gates import (
     scaler_skips,
 )
 from trainmech.performance import Performance, remeasure
-from trainmech.tracing import Trace, run_trace
+from trainmech.tracing import Trace, _handed, run_trace
 
 __all__ = [
     "Report",
@@ -243,6 +244,19 @@ def performance_verdict(perf: Performance, reference: Performance) -> Verdict:
     return Verdict("performance", None, evidence, message)
 
 
+def _own_copy_run(candidate: Candidate, workload: GateWorkload, teacher: Trace) -> Trace:
+    """run_trace on a copy of the windows, and gate 1's digests taken of that copy after the run: a candidate that
+    edits its windows in place (a label masked) fails its own inputs gate, and the shared windows stay intact for
+    the candidates judged after it."""
+    own = dataclasses.replace(
+        workload,
+        windows=[MicroBatches([{k: v.clone() for k, v in mb.items()} for mb in w]) for w in workload.windows],
+    )
+    trace = run_trace(candidate, own, teacher=teacher)
+    trace.handed = [_handed(own.windows[k], k in own.inject_at) for k in range(len(trace.handed))]
+    return trace
+
+
 def judge(
     candidate: Candidate,
     workload: GateWorkload,
@@ -261,7 +275,7 @@ def judge(
     most MAX_SCALER_SKIP_FRACTION of the reference's effective updates, both are run again with those attempts
     skipped, and the gates compare those runs: like for like, the skips reported by gate 3. A skip that is no
     overflow (a bug's NaN) is not forgiven: the first run is judged, and gate 2 fails that window."""
-    trace = trace or run_trace(candidate, workload, teacher=ref.trace)
+    trace = trace or _own_copy_run(candidate, workload, ref.trace)
     tol = ref.tolerances(candidate.dtype)
     skips, judged_ref = scaler_skips(ref.trace, trace), ref
     forgiven = skips and overflow_skips(ref.trace, trace, tol) == skips

@@ -73,6 +73,7 @@ from trainmech.tolerances import (
     judged_grads,
     movement,
     tolerances,
+    worst_of,
 )
 from trainmech.tracing import Trace, all_finite
 
@@ -264,9 +265,11 @@ def gradients_gate(
     bound = lambda k: tol.grad_rtol  # noqa: E731
     first = per_window.get(0, {})
     everywhere = {
-        n: max(e[n] for e in per_window.values()) for n in ref.grads[0]
-    }  # each parameter's worst window
-    worst = sorted(everywhere, key=lambda n: (-everywhere[n], n))[:3]
+        n: worst_of(e[n] for e in per_window.values()) for n in ref.grads[0]
+    }  # each parameter's worst window (NaN if any window's is)
+    worst = sorted(everywhere, key=lambda n: (not math.isnan(everywhere[n]), -everywhere[n], n))[
+        :3
+    ]  # NaN first
     bad_windows = [
         k for k, e in per_window.items() if not all(v <= bound(k) for v in e.values())
     ]  # NaN and inf fail
@@ -276,7 +279,7 @@ def gradients_gate(
         "worst": {n: everywhere[n] for n in worst},
         "windows_compared": len(windows),
         "compared": windows,  # the attempts whose gradients were compared, in order
-        "window_worst": [max(per_window[k].values()) for k in windows],  # … the worst error of each
+        "window_worst": [worst_of(per_window[k].values()) for k in windows],  # … the worst error of each
         "first_bad_window": bad_windows[0] if bad_windows else None,
         "rescaled": {
             k: candidate.rescaled[k][0] for k in windows if k in candidate.rescaled

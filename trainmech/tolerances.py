@@ -14,6 +14,7 @@ The gates themselves are trainmech.gates, which re-exports everything here (`gat
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "judged_grads",
     "compared_windows",
     "worst_error",
+    "worst_of",
     "movement",
     "NoiseFloor",
     "noise_floor",
@@ -91,12 +93,20 @@ def compared_windows(ref: Trace, candidate: Trace) -> list[int]:
     return [k for k in range(min(len(ref.grads), len(candidate.grads))) if all_finite(ref.grads[k].values())]
 
 
+def worst_of(values, default: float = float("inf")) -> float:
+    """The largest of `values`, NaN where any is NaN (Python's max keeps a NaN only when it comes first);
+    `default` where there are none."""
+    values = list(values)
+    if any(math.isnan(v) for v in values):
+        return float("nan")
+    return max(values, default=default)
+
+
 def worst_error(ref: Trace, candidate: Trace, windows: list[int] | None = None) -> float:
     """The largest per-parameter gradient error over the compared windows (inf where a window is missing)."""
     windows = compared_windows(ref, candidate) if windows is None else windows
-    return max(
-        (max(gradient_errors(ref.grads[k], judged_grads(candidate, k)).values()) for k in windows),
-        default=float("inf"),
+    return worst_of(
+        worst_of(gradient_errors(ref.grads[k], judged_grads(candidate, k)).values()) for k in windows
     )
 
 

@@ -297,6 +297,8 @@ NOTEBOOK_CELLS = {
     "CPU only (a GPU's atomics may reorder sums: there the quality table reads within)",
     "Task6:performance-rule": "the checkpoint candidate's measured capacity gain against the rule's min_peak_drop, beside "
     "the ledger's prediction and the allocated and reserved changes (CPU: the prediction alone, no claim)",
+    "Task6:run-registries": "the records this page wrote, each with a record of the same experiment and workload in the "
+    "CPU reference, is claimed on CPU only (a CUDA run's workloads are the GPU ones)",
     "Task6:outcomes": "the offload's per-sequence bytes equal the reference's on CPU only and only where the prefetch "
     "window covers every moved layer (the layer count is printed)",
 }

@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from trainmech import ledger
+from trainmech import ledger, profiles
 from trainmech.gpucheck.offload_overlap import overlap_claims, profiled_step, sleep_rate, stalling
 from trainmech.gpucheck.probe import Probe, forward_backward, require, same_gradients
 
@@ -254,10 +254,12 @@ def _outcome_by_hand(p, ref, rule) -> str:
 def check_gates(probe: Probe) -> str:
     from trainmech import candidates, gate_report, gates, performance
 
+    # CUDA: the smoke-gates shape, where the ledger predicts a checkpoint gain (test_task6_gates checks it)
+    seq = profiles.for_mode(probe.mode).workload("smoke-gates").seq if probe.cuda else probe.seq
     workload = candidates.gate_workload(
         probe.model(),
         rows=4,
-        seq=probe.seq,
+        seq=seq,
         micro_batches=2,
         attempts=3,
         warmup_updates=1,
