@@ -583,7 +583,7 @@ def test_offload_restores_bitwise_and_leaves_params_and_small_in_place(model, ba
 
     def spy(t):
         packed = pack(t)
-        _ref, where, item = packed
+        _ref, where, item, _source, _version = packed
         if isinstance(where, int):
             same = item.data_ptr() == t.data_ptr() and item.shape == t.shape and item.stride() == t.stride()
             kept.append(
@@ -1019,3 +1019,16 @@ def test_step_phase_times_leaves_the_model_and_optimizer_as_they_were(tiny_qwen2
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())  # two real AdamW steps at lr 1e-2 ran
     assert not optimizer.state and all(p.grad is None for p in model.parameters())
+
+
+def test_offload_refuses_a_saved_tensor_modified_in_place_after_pack():
+    """Under any saved-tensor hook autograd skips its version check; ActivationOffload does it instead."""
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    hooks = ActivationOffload(device=torch.device("cpu"), min_bytes=1, arena=HostArena(pinned=False))
+    with hooks:
+        y = x * 1
+        z = (y * w.sum()).sum()
+    y.mul_(2)
+    with pytest.raises(TrainmechError, match="modified in place after ActivationOffload packed it"):
+        z.backward()

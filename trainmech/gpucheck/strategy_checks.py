@@ -94,22 +94,26 @@ def check_offload(probe: Probe) -> str:
     require(same, f"gradients under ActivationOffload differ from the baseline ({how})")
     require(
         st.d2h_bytes > 0
-        and st.prefetched == st.offloaded
         and st.on_demand == st.fetched_unused == st.unpacked_again == 0
         and st.unpacked == st.packed,
         f"transfer bookkeeping: {st}",
+    )
+    # the window observed: each inner group's H2D issued one group ahead (a fetch at a kept reference's unpack,
+    # in the group's own backward, would show a lead of 0)
+    layers = model.config.num_hidden_layers
+    inner = {g: lead for g, lead in st.fetch_leads.items() if g + 1 < layers}
+    require(
+        inner and set(inner.values()) == {1},
+        f"prefetch window 1, but the H2D leads per group were {st.fetch_leads}",
     )
     require(
         runs[1].host_chunks_allocated == 0,
         f"the second step allocated {runs[1].host_chunks_allocated} new host chunk(s)",
     )
-    require(
-        not copies._done and not copies._ready and all(e.used for e in offloads[0].entries),
-        "a copy's end event was never waited for, or a fetched copy never used",
-    )
-    require(
-        len(copies.copies) == st.offloaded + st.prefetched + st.on_demand,
-        f"{len(copies.copies)} copies for {st.offloaded} offloaded + {st.prefetched + st.on_demand} fetched",
+    require(  # each let-go and each use waited on its copy's end event once
+        len(copies.d2h_waits) == st.offloaded and len(copies.h2d_waits) == st.prefetched + st.on_demand,
+        f"{len(copies.d2h_waits)} D2H / {len(copies.h2d_waits)} H2D waits for {st.offloaded} offloaded, "
+        f"{st.prefetched + st.on_demand} fetched",
     )
     require(st.transfer_time_s is not None and st.transfer_time_s > 0, f"transfer time {st.transfer_time_s}")
     hidden_line = overlap_claims(probe, offloads[2], trace, offloads[3], stalls, origin)
@@ -383,7 +387,6 @@ def check_strategy_records(probe: Probe) -> str:
     require(
         metrics["measured_with"] == MEASURED_PEAK_WITH["cuda" if probe.cuda else "cpu"]
         and peak is not None
-        and param_bytes < peak
         and (peak <= direct if probe.cuda else peak < base_peak),
         f"the state-ledger record's measured peak {peak} ({metrics['measured_with']!r}): parameters {param_bytes:,} B, "
         + (
@@ -403,8 +406,8 @@ def check_strategy_records(probe: Probe) -> str:
     else:
         base_tracked = fields["metrics"]["baseline_cpu_tracked_peak_bytes"]
         require(
-            tracked == run.performance.tracked_peak_bytes and 0 < tracked < base_tracked,
-            f"the record's tracked peak {tracked} (measured {run.performance.tracked_peak_bytes}), baseline {base_tracked}",
+            tracked is not None and 0 < tracked < base_tracked,
+            f"the record's tracked peak {tracked}, baseline {base_tracked}",
         )
     return (
         f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}"

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
+from trainmech.errors import TrainmechError
 from trainmech.offload.book import OffloadBook, References, TransferStats
 from trainmech.offload.copies import CudaCopies, HostArena, HostCopies, HostStreams, host_arena
 
@@ -121,7 +122,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         if reason:
             self.book.count_kept(reason)
             # detached: a packed value must not hold the tensor (reference cycle)
-            return self.refs.new(), self.book.group, t.detach()
+            return self.refs.new(), self.book.group, t.detach(), weakref.ref(t), t._version
         view = (t.dtype, t.storage_offset(), t.size(), t.stride())
         known = self._identity.get(ptr)
         if (
@@ -131,20 +132,21 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             and not known[1].released
         ):
             self.book.share(known[1])
-            return self.refs.new(), known[1], view
+            return self.refs.new(), known[1], view, weakref.ref(t), t._version
         if not self._begun:
             self.copies.begin(self)
             self._begun = True
         entry = self.book.new_entry(storage.nbytes(), t._version)
         self._identity[ptr] = (weakref.ref(storage), entry)  # alive ⇒ its address is not reused by another
         self.copies.to_host(entry, storage)
-        return self.refs.new(), entry, view
+        return self.refs.new(), entry, view, weakref.ref(t), t._version
 
     # -- backward --------------------------------------------------------------------------
     def unpack(self, packed):
         if not self.book.backward_started:
             self.copies.let_go(self.book.start_backward())
-        ref, where, item = packed
+        ref, where, item, source, version = packed
+        _refuse_if_modified(source(), version)
         if isinstance(where, int):  # kept in place
             self._fetch_ahead(where, None)
             self.refs.read(ref)
@@ -188,6 +190,16 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         """CUDA: fill the copy and wait times from the events (waits for the device once); off CUDA: None."""
         self.copies.read_times(self.stats)
         return self.stats
+
+
+def _refuse_if_modified(t: torch.Tensor | None, version: int) -> None:
+    """Autograd checks a saved tensor's version only when no saved-tensor hook is installed: this hook does it."""
+    if t is not None and t._version != version:
+        raise TrainmechError(
+            f"a tensor saved for backward was modified in place after ActivationOffload packed it (version {version} "
+            f"at pack, {t._version} now): the copy on the host no longer matches it; use an out-of-place "
+            "operation (y = y * 2, not y.mul_(2)) on tensors the backward still needs."
+        )
 
 
 def activation_offload(model: torch.nn.Module, **kwargs) -> ActivationOffload:
