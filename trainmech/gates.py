@@ -51,20 +51,10 @@ from dataclasses import dataclass
 
 import torch
 
+from trainmech import decision as _decision
 from trainmech import tolerances as _tolerances
 from trainmech.checks import num
-from trainmech.decision import (
-    OUTCOMES,
-    RECORD_DECISION,
-    RULE,
-    DecisionRule,
-    RuleInputs,
-    decide,
-    decide_measured,
-    ledger_inputs,
-    rule_inputs,
-    timing_spread,
-)
+from trainmech.decision import *  # noqa: F403  re-exported: gates.decide, gates.RULE, …
 from trainmech.tolerances import *  # noqa: F403  re-exported: gates.GRAD_RTOL, gates.make_reference, …
 from trainmech.tolerances import (
     Tolerances,
@@ -82,8 +72,6 @@ __all__ = [
     "FLOAT32_LINEARS",
     "MAX_SCALER_SKIP_FRACTION",
     "EVIDENCE_LEVEL",
-    "OUTCOMES",
-    "RECORD_DECISION",
     "Verdict",
     "inputs_gate",
     "gradients_gate",
@@ -96,14 +84,7 @@ __all__ = [
     "dtype_mismatches",
     "correctness_gate",
     "bitwise_equal",
-    "DecisionRule",
-    "RULE",
-    "timing_spread",
-    "RuleInputs",
-    "rule_inputs",
-    "ledger_inputs",
-    "decide_measured",
-    "decide",
+    *_decision.__all__,  # the decision rule, re-exported: gates.decide, gates.RULE, …
     *_tolerances.__all__,
 ]
 
