@@ -14,14 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainmech.errors import TrainmechError
-from trainmech.ledger.compare import (
-    CPU_POINTS,
-    CUDA_LIFECYCLE_TOLERANCE,
-    CUDA_POINTS,
-    CUDA_SLACK_BYTES_PER_LAYER,
-    Comparison,
-    measure_point,
-)
+from trainmech.ledger import compare
 
 __all__ = ["DeviceTerms", "device_terms", "allocator_pair"]
 
@@ -63,12 +56,12 @@ class DeviceTerms:
 
 
 _TERMS = {
-    "cpu": DeviceTerms("cpu", CPU_POINTS, 0, (0.0, 0), 0.0, 0.0, True, 0.05, 0.01, False, True),
+    "cpu": DeviceTerms("cpu", compare.CPU_POINTS, 0, (0.0, 0), 0.0, 0.0, True, 0.05, 0.01, False, True),
     "cuda": DeviceTerms(
         "cuda",
-        CUDA_POINTS,
-        CUDA_SLACK_BYTES_PER_LAYER,
-        CUDA_LIFECYCLE_TOLERANCE,
+        compare.CUDA_POINTS,
+        compare.CUDA_SLACK_BYTES_PER_LAYER,
+        compare.CUDA_LIFECYCLE_TOLERANCE,
         0.05,
         0.01,
         False,
@@ -87,12 +80,14 @@ def device_terms(device: str) -> DeviceTerms:
     return _TERMS[device]
 
 
-def allocator_pair(first: Comparison, steady: Comparison, **options) -> tuple[Comparison, Comparison]:
+def allocator_pair(
+    first: compare.Comparison, steady: compare.Comparison, **options
+) -> tuple[compare.Comparison, compare.Comparison]:
     """(first, steady) with an allocator's peaks counted: the pair itself when it carries them (CUDA's
     caching allocator is counted by default, or the pair ran with allocator="cpu-profiler"); otherwise
-    the same point again under torch.profiler's CPU allocator events (`options`: measure_point's, e.g.
+    the same point again under torch.profiler's CPU allocator events (`options`: compare.measure_point's, e.g.
     run_mode, seed, dtype, padded, as the pair was measured)."""
     if steady.measured.step_peak_allocated_bytes is not None:
         return first, steady
-    again = measure_point(first.model, first.batch, first.seq, allocator="cpu-profiler", **options)
+    again = compare.measure_point(first.model, first.batch, first.seq, allocator="cpu-profiler", **options)
     return again[0], again[1]

@@ -14,7 +14,13 @@
 from trainmech.offload.book import OffloadBook, TransferStats, describe
 from trainmech.offload.copies import HostArena, HostStreams, host_arena
 from trainmech.offload.hooks import ActivationOffload, activation_offload, restore_check
-from trainmech.offload.nominal import NOMINAL, step_flops
+from trainmech.offload.nominal import (
+    NOMINAL,
+    crossover_flops_per_byte,
+    flops_per_byte,
+    serial_x_scaled,
+    step_flops,
+)
 from trainmech.offload.overlap import Overlap, overlap, trace_intervals
 from trainmech.offload.save_on_cpu import CountingSaveOnCpu, pack_copy_line
 
@@ -34,5 +40,8 @@ __all__ = [
     "pack_copy_line",
     "restore_check",
     "step_flops",
+    "flops_per_byte",
+    "crossover_flops_per_byte",
+    "serial_x_scaled",
     "trace_intervals",
 ]

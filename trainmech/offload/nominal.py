@@ -6,7 +6,7 @@ rate (`trainmech.gpucheck.limits.offload_bound` takes the two); CUDA mode repeat
 
 from __future__ import annotations
 
-__all__ = ["NOMINAL", "step_flops"]
+__all__ = ["NOMINAL", "step_flops", "flops_per_byte", "crossover_flops_per_byte", "serial_x_scaled"]
 
 # Nominal figures from the vendors' datasheets (not measured here): a link's bandwidth per direction
 # (GB/s, 1e9 bytes) and the FP32 non-tensor-core rate (TFLOP/s) — PyTorch's FP32 matmuls use it unless
@@ -29,3 +29,19 @@ def step_flops(book, *, recompute: bool = False) -> dict[str, float]:
     forward = 2 * matmul * tokens + attention
     layers = forward - 2 * shape.vocab_size * shape.hidden_size * tokens  # without the head
     return {"forward": forward, "backward": 2 * forward, "recompute": layers if recompute else 0.0}
+
+
+def flops_per_byte(book, nbytes: int) -> float:
+    """The step's FLOPs (`step_flops`) per byte copied, counting each byte twice: off the device and back."""
+    return sum(step_flops(book).values()) / (2 * nbytes)
+
+
+def crossover_flops_per_byte(gpu: str) -> float:
+    """Below this many FLOPs per byte moved, a GPU's copies over its link outlast its compute (nominal rates)."""
+    spec = NOMINAL[gpu]
+    return spec["fp32_tflops"] * 1e12 / (spec["link_gbps"] * 1e9)
+
+
+def serial_x_scaled(serial_x: float, scale: float) -> float:
+    """A serial step-time bound 1 + t_copy / t_step with the copied bytes (so t_copy) scaled by `scale`."""
+    return 1 + (serial_x - 1) * scale
