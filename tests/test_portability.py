@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -140,3 +142,33 @@ def test_only_forgets_just_those_notebooks_last_runs(tmp_path):
         "checks/Task0_training_loop.jsonl",
         "notebooks/Task0_training_loop.ipynb",
     ]
+
+
+def test_cap_onednn_caps_only_paths_below_avx512_that_chose_no_cap():
+    from trainmech import cap_onednn
+
+    for aten, preset, expect in [
+        ("default", None, "AVX2"),
+        ("AVX2", None, "AVX2"),
+        ("avx512", None, None),
+        (None, None, None),
+        ("default", "AVX512_CORE_AMX", "AVX512_CORE_AMX"),  # a cap someone chose stays
+    ]:
+        env = {k: v for k, v in (("ATEN_CPU_CAPABILITY", aten), ("ONEDNN_MAX_CPU_ISA", preset)) if v}
+        assert cap_onednn(env) == (expect is not None and preset is None)
+        assert env.get("ONEDNN_MAX_CPU_ISA") == expect
+
+
+def test_16bit_attention_runs_below_avx512_after_import():
+    """On a CPU with AMX this failed with pack_vnni2 before the cap; elsewhere it must still run."""
+    code = (
+        "import torch, trainmech, os\n"
+        "q = torch.randn(2, 4, 256, 64, dtype=torch.bfloat16, requires_grad=True)\n"
+        "torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).float().sum().backward()\n"
+        "print(os.environ['ONEDNN_MAX_CPU_ISA'], torch.backends.cpu.get_cpu_capability())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    env["ATEN_CPU_CAPABILITY"] = "default"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.split() == ["AVX2", "DEFAULT"]
