@@ -8,6 +8,7 @@ re-derived) and put the cases side by side:
 
     scenario_ledger(config, b, s, strategy=…, update=…, optimizer_step=…)   one case's Ledger
     scenario_matrix(config, b, s, optimizer_steps=(…))   strategy × first / steady update × optimizer step, as Scenario rows
+    offload_assumptions(config, b, s)   one line: what the offload rows assume (threshold, layers, prefetch)
     render_matrix(rows)       one line per strategy: both peaks of the first and the steady update (Task4)
     render_rows(rows, …)      one line per scenario, optionally beside its measurement (Task5)
     variants(config, b, s)    the update's own options on the steady whole-update peak
