@@ -93,3 +93,15 @@ def test_memory_timeline_draws_the_ledgers_own_phase_maxima():
     assert len(bottom.patches) >= len(
         first.predicted.ticks
     )  # one bar per tick and category, the peak outlined
+
+
+def test_crowded_phase_names_are_spread_and_the_others_stay_on_their_phase():
+    from trainmech.plots.ledger import _spread
+
+    centres = [0.0, 10.0, 10.5, 11.0, 30.0]
+    placed = _spread(centres, 2.0)
+    assert placed[0] == 0.0 and placed[-1] == 30.0  # far from the others: on their own centres
+    assert all(b - a >= 2.0 - 1e-9 for a, b in zip(placed, placed[1:]))
+    assert sum(placed[1:4]) / 3 == pytest.approx(
+        sum(centres[1:4]) / 3
+    )  # the crowded run stays centred on its phases

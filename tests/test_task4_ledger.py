@@ -598,6 +598,21 @@ def test_the_scenario_matrix_reconciles_the_registry_workloads():
     assert steady["checkpoint"].phase == steady["offload"].phase == "optimizer"
 
 
+def test_offload_assumptions_state_what_the_offload_rows_do():
+    """Task4's scenario-gpu prints this line beside the matrix: its threshold is the rows' own, and every tensor it
+    says goes to the host has left the device by the forward's end (host copies not counted)."""
+    shape = ledger.model_shape("qwen2-tiny")
+    line = ledger.scenarios.offload_assumptions("qwen2-tiny", 2, 64)
+    min_bytes = ledger.scenarios.offload_min_bytes(shape, 2, 64, "fp32")
+    assert f">= {min_bytes:,} B" in line and f"0..{shape.num_layers - 2} keep" in line
+    base, off = (
+        ledger.scenarios.scenario_ledger("qwen2-tiny", 2, 64, strategy=s, update="steady")
+        for s in ("baseline", "offload")
+    )
+    moved = base.offloadable_bytes(min_bytes)
+    assert moved > 0 and base.saved_after_forward() - off.saved_after_forward() == moved
+
+
 def test_checkpointing_measured_peaks_and_recompute_counts_as_saved():
     first, steady = ledger.measure_point("qwen2-tiny", 2, 64, checkpointing="full")
     for c in (first, steady):

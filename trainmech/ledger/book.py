@@ -237,6 +237,9 @@ class Ledger:
             names = [m.name for m in members]
             label = names[0] if len(names) == 1 else os.path.commonprefix(names).rpartition(".")[0] + ".*"
             label = " + ".join(names) if label == ".*" else label
+            # a layer's saved, upstream and gradient groups share a prefix: say which one a label is
+            if label.endswith(".*"):
+                label += {"gradients": ".grad", "upstream_grads": ".upstream"}.get(category, "")
             rows.append((label, category, sum(m.nbytes for m in members), created, consumed, released))
         return sorted(rows, key=lambda r: (order[r[3]], order[r[5]], r[0]))
 

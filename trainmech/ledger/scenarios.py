@@ -8,6 +8,7 @@ re-derived) and put the cases side by side:
 
     scenario_ledger(config, b, s, strategy=…, update=…, optimizer_step=…)   one case's Ledger
     scenario_matrix(config, b, s, optimizer_steps=(…))   strategy × first / steady update × optimizer step, as Scenario rows
+    offload_assumptions(config, b, s)   one line: what the offload rows assume (threshold, layers, prefetch)
     render_matrix(rows)       one line per strategy: both peaks of the first and the steady update (Task4)
     render_rows(rows, …)      one line per scenario, optionally beside its measurement (Task5)
     variants(config, b, s)    the update's own options on the steady whole-update peak
@@ -38,6 +39,7 @@ __all__ = [
     "VARIANTS",
     "Scenario",
     "offload_min_bytes",
+    "offload_assumptions",
     "scenario_ledger",
     "scenario_matrix",
     "change",
@@ -90,6 +92,31 @@ class Scenario:
 def offload_min_bytes(shape, batch: int, seq: int, dtype: str) -> int:
     """Task5's offload rule: a saved tensor of at least a quarter of one hidden state goes to the host."""
     return batch * seq * shape.hidden_size * recipe(dtype).activation_bytes // 4
+
+
+def offload_assumptions(config, batch: int, seq: int, **options) -> str:
+    """One line: what an offload row assumes on paper (`scenario_ledger`'s and `Ledger.offloaded`'s
+    defaults, read from their signatures); options go to `training_state_lifecycle` (dtype, device, …)."""
+    import inspect
+
+    defaults = {
+        name: p.default
+        for f in (Ledger.offloaded, scenario_ledger)
+        for name, p in inspect.signature(f).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    shape = model_shape(config)
+    min_bytes = offload_min_bytes(shape, batch, seq, options.get("dtype", "fp32"))
+    moved = training_state_lifecycle(shape, batch, seq, **options).offloadable_bytes(
+        min_bytes, exempt_last=defaults["exempt_last"]
+    )
+    return (
+        f"offload on paper: every saved tensor of >= {min_bytes:,} B (a quarter of one hidden state) that layers "
+        f"0..{shape.num_layers - 1 - defaults['exempt_last']} keep goes to the host (the last "
+        f"{defaults['exempt_last']} layer keeps its own), {moved / 2**30:.2f} GiB each way; layer j's stay on the "
+        f"device through layer j+{defaults['stash_groups']}'s forward and come back when the backward reaches layer "
+        f"j+{defaults['prefetch_groups']}; device bytes only (the host copies are not counted)"
+    )
 
 
 def scenario_ledger(

@@ -67,6 +67,25 @@ def lifecycle_chart(rows, phases: list[str]):
     return fig
 
 
+def _spread(centres: list[float], gap: float) -> list[float]:
+    """Label positions at least `gap` apart: each run of crowded labels is spaced evenly around the mean
+    of its own centres, the others stay on their centres. centres: ascending."""
+
+    def positions(run):
+        mean = sum(run) / len(run)
+        return [mean + (i - (len(run) - 1) / 2) * gap for i in range(len(run))]
+
+    runs = [[c] for c in centres]
+    i = 0
+    while i < len(runs) - 1:
+        if positions(runs[i + 1])[0] - positions(runs[i])[-1] < gap:
+            runs[i : i + 2] = [runs[i] + runs[i + 1]]
+            i = max(i - 1, 0)  # a wider run may now crowd the one before it
+        else:
+            i += 1
+    return [x for run in runs for x in positions(run)]
+
+
 def memory_timeline(measured, book):
     """Top: measured live bytes after every allocation event, the ledger's phase maxima, the peaks marked.
     Bottom: the ledger's composition by category at every tick (stacked), the peak tick outlined.
@@ -86,7 +105,11 @@ def memory_timeline(measured, book):
     for k, p in enumerate(phases):
         starts.setdefault(p, k)
     bounds = sorted(starts.items(), key=lambda kv: kv[1]) + [("end", len(phases))]
-    for (p, a), (_, b) in zip(bounds, bounds[1:]):
+    spans = list(zip(bounds, bounds[1:]))
+    centres = [(a + b) / 2 for (_, a), (_, b) in spans]
+    # rotated 6-pt names need about 1.6% of the axis apart: short phases (f.head, loss, b.loss) are spread
+    placed = _spread(centres, 0.016 * len(phases))
+    for ((p, a), (_, b)), centre, x in zip(spans, centres, placed):
         top.axvline(a, color="0.85", lw=0.6)
         if p in phase_maxima:
             top.hlines(
@@ -97,17 +120,19 @@ def memory_timeline(measured, book):
                 lw=2,
                 label="ledger, phase maximum" if a == 0 else None,
             )
+        moved = abs(x - centre) > 1e-9
         top.annotate(
             p.replace("forward.", "f.").replace("backward.", "b."),
-            ((a + b) / 2, 0),
+            (centre, 0),
             xycoords=("data", "axes fraction"),
-            xytext=(0, 2),
-            textcoords="offset points",
+            xytext=(x, 0.07 if moved else 0.01),
+            textcoords=("data", "axes fraction"),
             rotation=90,
             fontsize=6,
             ha="center",
             va="bottom",
             color="0.35",
+            arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.6"} if moved else None,
         )
     k = max(range(len(ys)), key=ys.__getitem__)
     top.plot(k, ys[k], "*", color="tab:red", ms=12, label=f"measured peak: {ys[k]:,.2f} MiB ({phases[k]})")
@@ -139,7 +164,7 @@ def memory_timeline(measured, book):
         [t.replace("forward.", "f.").replace("backward.", "b.") for t in tick_names],
         rotation=75,
         ha="right",
-        fontsize=6,
+        fontsize=7,
     )
     bottom.set(ylabel="bytes (MiB)", title="ledger: what is alive at each moment")
     bottom.set_ylim(0, max(stacked) * 1.35)  # headroom: the legend sits above the tallest bar
@@ -249,9 +274,9 @@ def per_rank_bytes(reports, books):
             [r.held[name] / kib for r in rows],
             width,
             color=CATEGORY_COLOURS[name],
-            label=name,
+            label=name + (" (when the step starts)" if name == "gradients" else " (after the step)"),
         )
-    bottom.set(ylabel="held after the update (KiB)", xlabel="ZeRO stage (PyTorch's engine) × world size N")
+    bottom.set(ylabel="held by rank 0 (KiB)", xlabel="ZeRO stage (PyTorch's engine) × world size N")
     bottom.set_xticks(list(xs), [f"stage {r.stage}\nN={r.world_size}" for r in rows], fontsize=7)
     bottom.legend(fontsize=7, ncols=3, loc="upper right")
     bottom.set_ylim(0, max(r.held["optimizer_states"] for r in rows) / kib * 1.4)
