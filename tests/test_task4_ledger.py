@@ -1412,19 +1412,24 @@ def test_the_precision_sweep_is_precision_changes_over_a_grid_and_matches_within
 
 
 def test_the_allocator_model_refuses_a_configuration_it_does_not_model():
-    # expandable segments and max_split_size_mb move the reserved peak; the replay models neither
+    # expandable segments, max_split_size_mb, power-of-two rounding divisions and a garbage-collection
+    # threshold move a peak; the replay models none of them
     book = ledger.training_state_lifecycle("qwen2-tiny", 1, 16, device="cuda", first_step=True)
     plain = ledger.allocator.cuda_peaks(book)
-    assert ledger.allocator.cuda_peaks(book, alloc_conf="garbage_collection_threshold:0.6") == plain
     for conf in (
         "expandable_segments:True",
         "max_split_size_mb:128",
-        "garbage_collection_threshold:0.6,expandable_segments:True",
+        "roundup_power2_divisions:4",
+        "roundup_power2_divisions:[256:1,512:2,>:4]",
+        "garbage_collection_threshold:0.6",
+        "pinned_use_cuda_host_register:True,garbage_collection_threshold:0.6",
+        "Roundup_Power2_Divisions: 8",
     ):
         with pytest.raises(TrainmechError, match="allocator configuration") as caught:
             ledger.allocator.cuda_peaks(book, alloc_conf=conf)
         assert str(caught.value).count("\n") == 0
     assert ledger.allocator.cuda_peaks(book, alloc_conf="expandable_segments:False") == plain
+    assert ledger.allocator.cuda_peaks(book, alloc_conf="pinned_use_cuda_host_register:True") == plain
 
 
 # ---------------------------------------------------------------- Task4's CUDA side, forced on a CPU
