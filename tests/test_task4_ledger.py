@@ -1544,6 +1544,89 @@ def test_task4_cells_run_with_cudas_terms_and_choices_forced_on_a_cpu(cuda_force
     assert record.correctness.effective_updates == 2 and record.metrics["cpu_tracked_peak_bytes"] is None
 
 
+def _as_a_cuda_run_records_it(pair):
+    """`pair` as a CUDA run records and predicts it: AdamW's step counters (foreach keeps them on the
+    host) out of every device count and in `elsewhere` / `baseline_elsewhere` (the storages another
+    device holds), and the prediction built with device="cuda" (no counter on the device)."""
+    step, shape = pair.measured, pair.predicted.shape
+    n_tensors = len(shape.parameter_tensors())
+    counters = {
+        id(a)
+        for a in step.allocations
+        if step.category(a) == "optimizer_states" and a.nbytes == ledger.STEP_COUNTER_BYTES
+    }
+    assert len(counters) == (n_tensors if pair.step == "first" else 0)  # the first update creates them
+    kept = [a for a in step.allocations if id(a) not in counters]
+    live = [
+        sum(a.nbytes for a in kept if a.born <= k and (a.died is None or a.died > k))
+        for k in range(len(step.live))
+    ]
+    assert [
+        sum(a.nbytes for a in step.allocations if a.born <= k and (a.died is None or a.died > k))
+        for k in range(len(step.live))
+    ] == step.live  # live is the allocations alive after each event
+    on_host = ledger.STEP_COUNTER_BYTES * n_tensors if pair.step == "steady" else 0  # the first update's
+    measured = dataclasses.replace(
+        step,
+        allocations=kept,
+        live=live,
+        elsewhere=[dataclasses.replace(a, device="cpu") for a in step.allocations if id(a) in counters],
+        baseline={**step.baseline, "optimizer_states": step.baseline["optimizer_states"] - on_host},
+        baseline_elsewhere={**step.baseline_elsewhere, "optimizer_states": on_host},
+        device="cuda",
+    )
+    predicted = ledger.training_state_lifecycle(
+        shape,
+        pair.batch,
+        pair.seq,
+        device="cuda",
+        first_step=pair.step == "first",
+        attention=pair.kernel,
+        optimizer_impl=pair.predicted.setup.optimizer_impl,
+        weigh_rng=True,  # as measure_point on CUDA: the RNG state of the kernel that ran (math: none)
+    )
+    return dataclasses.replace(pair, predicted=predicted, measured=measured)
+
+
+def test_task4_state_cells_hold_with_the_cuda_book_and_the_step_counters_on_the_host(cuda_forced_pair):
+    """grads-and-states, lifecycle-vs-measured and peak-composition on the pair a CUDA run gets: the
+    prediction with device="cuda" (foreach AdamW's step counters on the host, not on the device)
+    against a measured step whose counters are elsewhere."""
+    terms = ledger.device_terms("cuda")
+    first, steady = (_as_a_cuda_run_records_it(pair) for pair in cuda_forced_pair)
+    shape = first.predicted.shape
+    assert first.predicted.device == steady.predicted.device == "cuda"
+    assert first.measured.elsewhere_at_end()["optimizer_states"] > 0  # the split is really exercised
+    # grads-and-states, as the cell computes it
+    step_memory = first.measured
+    grads = step_memory.by_category(step_memory.phases.index("optimizer"))["gradients"]
+    states = step_memory.by_category(len(step_memory.live) - 1)["optimizer_states"]
+    host = step_memory.elsewhere_at_end()["optimizer_states"]
+    predicted = first.predicted.state_bytes()
+    dtypes, tensors = ledger.RECIPES["fp32"], len(shape.parameter_tensors())
+    moments = 2 * dtypes.moment_bytes * shape.n_params
+    assert grads == dtypes.grad_bytes * shape.n_params == predicted["gradients"]
+    assert states == predicted["optimizer_states"] == moments  # no counter on the device, in either book
+    assert states - moments + host == ledger.STEP_COUNTER_BYTES * tensors
+    again = steady.measured
+    states_before = again.baseline["optimizer_states"] + again.baseline_elsewhere.get("optimizer_states", 0)
+    states_after = (
+        again.by_category(len(again.live) - 1)["optimizer_states"]
+        + again.elsewhere_at_end()["optimizer_states"]
+    )
+    assert states_before == states_after == states + host
+    # lifecycle-vs-measured and peak-composition, with CUDA's tolerances; this CPU's tracker is exact, so
+    # the CUDA book must match it byte for byte too
+    for pair in (first, steady):
+        assert not pair.lifecycle_differences(terms.lifecycle_tolerance) and not pair.lifecycle_differences()
+        peak, composition = pair.predicted.peak_overlap(), pair.measured.by_category()
+        assert peak.phase == pair.measured.peak_phase and peak.bytes == pair.measured.peak_bytes
+        worst = max(abs(peak.by_category[k] - composition[k]) for k in ledger.CATEGORIES) / peak.bytes
+        assert worst <= terms.composition_tolerance and worst == 0
+    # the CPU book on the same pair counts the counters on the device: what the CUDA book must not do
+    assert cuda_forced_pair[0].predicted.state_bytes()["optimizer_states"] == moments + host
+
+
 def test_task4_section5_cells_run_with_cudas_choices_forced_on_a_cpu(cuda_forced_pair):
     """scenario-measured and bf16-layer-saved with CUDA's terms: checkpointing and bf16 under the forced choices."""
     terms = ledger.device_terms("cuda")
