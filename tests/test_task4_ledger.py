@@ -439,6 +439,95 @@ def test_the_kernel_is_chosen_for_the_device_dtype_and_mask():
     assert padded["self_attn.sdpa_logsumexp"].shape == (2, 14, 512)  # the efficient kernel pads rows to 32
 
 
+def test_the_cuda_rule_for_fp32_grouped_query_attention_follows_the_torch_version():
+    # enable_gqa: the memory-efficient kernel refuses it before EFFICIENT_GQA_SINCE (math keeps s×s), takes it after
+    big = ledger.model_shape("qwen2.5-0.5b")
+    no_gqa = ledger.model_shape({**QWEN, "num_key_value_heads": 14})
+
+    def rule(shape, version, **options):
+        return ledger.attention_kernel(shape, "fp32", "cuda", stack=ledger.SdpaStack(version), **options)
+
+    assert ledger.EFFICIENT_GQA_SINCE == (2, 14)
+    assert rule(big, "2.11.0+cu130") == rule(big, "2.13.0") == "math"
+    assert rule(big, "2.14.0") == rule(big, "2.14.0.dev20261201+cu130") == rule(big, "3.0") == "efficient"
+    for version in (
+        "2.11.0",
+        "2.14.0",
+    ):  # without grouped-query attention, and with a mask, no version moves it
+        assert rule(no_gqa, version) == rule(big, version, padded=True) == "efficient"
+    # the default stack is this process's torch: the CPU profile pins 2.13, so the rule is 2.13's here
+    assert ledger.sdpa_stack().torch == torch.__version__ and ledger.sdpa_stack().capability is None
+    assert ledger.attention_kernel(big, "fp32", "cuda") == rule(big, torch.__version__)
+    # the CPU rule does not depend on the torch version it is given: the CPU profile pins the torch it was read from
+    assert ledger.attention_kernel(big, "fp32", "cpu", stack=ledger.SdpaStack("2.14.0")) == "flash"
+    with pytest.raises(TrainmechError, match="major.minor") as e:
+        rule(big, "nightly")
+    assert "\n" not in str(e.value)
+
+
+def test_the_cuda_rule_for_16_bit_puts_cudnn_first_on_sm90_and_sm100_with_a_new_cudnn():
+    # sdp_utils.cpp check_prefer_cudnn_attention: cuDNN > 9.15.0 on sm90 / sm100, unless deprioritized
+    big = ledger.model_shape("qwen2.5-0.5b")
+    h200 = ledger.SdpaStack("2.11.0+cu130", (9, 0), 91501, "13.0")
+
+    def rule(stack, dtype="bf16", **options):
+        return ledger.attention_kernel(big, dtype, "cuda", stack=stack, **options)
+
+    assert (
+        h200.cudnn_first and rule(h200) == rule(h200, "autocast-fp16") == rule(h200, padded=True) == "cudnn"
+    )
+    assert rule(h200, dropout=True) == "cudnn"
+    assert (
+        rule(h200, "fp32") == "math" and rule(h200, "fp32", padded=True) == "efficient"
+    )  # cuDNN: 16-bit only
+    assert rule(dataclasses.replace(h200, capability=(10, 0))) == "cudnn"  # B200
+    flash = {
+        "cuDNN 9.15.0": dataclasses.replace(h200, cudnn=91500),
+        "deprioritized": dataclasses.replace(h200, cudnn_deprioritized=True),
+        "sm89 (L40S)": dataclasses.replace(h200, capability=(8, 9)),
+        "sm120": dataclasses.replace(h200, capability=(12, 0)),
+        "torch 2.9": dataclasses.replace(h200, torch="2.9.1+cu128"),
+        "sm101 on a CUDA 12 build": dataclasses.replace(h200, capability=(10, 1), cuda_build="12.8"),
+        "no GPU seen": ledger.SdpaStack("2.11.0+cu130"),
+        "no cuDNN": dataclasses.replace(h200, cudnn=None),
+    }
+    for why, stack in flash.items():
+        assert not stack.cudnn_first and rule(stack) == "flash", why
+    assert rule(flash["no GPU seen"], padded=True) == "efficient"
+    assert dataclasses.replace(h200, capability=(10, 1)).cudnn_first  # any sm10x on a CUDA 13 build
+    # a paper calculation sees no GPU: the rule does not assume cuDNN first (the calculator, the scenario tables)
+    assert ledger.attention_kernel(big, "bf16", "cuda") == "flash"
+    assert h200.describe() == "torch 2.11.0+cu130, sm90, cuDNN 91501"
+
+
+def test_this_process_reads_its_own_stack(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    stack = ledger.sdpa_stack((9, 0), "13.0")
+    assert stack.cudnn_deprioritized and stack.capability == (9, 0) and stack.torch == torch.__version__
+    assert stack.cudnn == torch.backends.cudnn.version() and stack.cuda_build == "13.0"
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
+    assert not ledger.sdpa_stack().cudnn_deprioritized and ledger.sdpa_stack().cudnn is None
+
+
+def test_the_rule_is_claimed_only_where_the_profile_pins_torch():
+    for device, mode in (("cpu", "cpu"), ("cuda", "TRAIN-CUDA-MECHANISM")):
+        pinned = profiles.for_mode(mode).packages["torch"].startswith("==")
+        assert ledger.device_terms(device).torch_pinned is pinned
+    assert ledger.device_terms("cpu").torch_pinned and not ledger.device_terms("cuda").torch_pinned
+
+
+def test_the_kernel_line_names_a_rule_that_drifted(cuda_forced_pair):
+    first, _ = cuda_forced_pair
+    same = first.kernel_line()
+    assert "drift" not in same and first.stack.describe() in same and torch.__version__ in same
+    # a GPU stack whose dispatch the rule no longer matches: the line says so instead of failing
+    drifted = dataclasses.replace(
+        first, rule_kernel="efficient", stack=ledger.SdpaStack("2.14.0", (9, 0), 91501)
+    )
+    line = drifted.kernel_line()
+    assert line.count("\n") == 1 and "drift" in line and "sm90" in line and "cuDNN 91501" in line
+
+
 def test_attention_dropout_moves_the_cpu_to_the_math_kernel_and_keeps_its_mask():
     # torch's CPU flash kernel refuses dropout_p > 0 (sdp_utils_cpp.cpp, check_for_dropout): SDPA runs
     # the math composite, which keeps the dropout mask and the dropped probabilities as well
@@ -962,24 +1051,28 @@ def test_the_memory_history_of_a_cuda_snapshot_names_the_blocks_no_tensor_explai
     assert "by construction" in stand_in.describe()
 
 
-@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
-def test_fused_kernels_keep_their_rng_state_on_cuda_as_torch_meta_kernels_say(kernel):
+@pytest.mark.parametrize("kernel, dropout", [("flash", True), ("cudnn", False), ("cudnn", True)])
+def test_fused_kernels_keep_their_rng_state_on_cuda_as_torch_meta_kernels_say(kernel, dropout):
     q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16)
-    out = ledger.inventory._sdpa_op(kernel, q)
+    out = ledger.inventory._sdpa_op(kernel, q, ledger.inventory.PROBE_DROPOUT if dropout else 0.0)
     seed, offset = out[6], out[7]  # philox seed and offset, which its autograd node saves
-    rows = ledger.rng_state_saved(kernel, "cuda")  # no GPU here: the meta kernel's shapes
+    rows = ledger.rng_state_saved(kernel, "cuda", dropout=dropout)  # no GPU here: the meta kernel's shapes
     assert [(t.shape, t.element_bytes) for t in rows] == [
         (tuple(seed.shape), seed.element_size()),
         (tuple(offset.shape), offset.element_size()),
     ]
-    assert ledger.rng_state_saved(kernel, "cpu") == []  # the CPU kernels return output and logsumexp only
+    assert (
+        ledger.rng_state_saved(kernel, "cpu", dropout=dropout) == []
+    )  # the CPU kernels: output and logsumexp
     big = ledger.model_shape("qwen2.5-0.5b")
     on = {
-        d: sum(t.nbytes for t in ledger.layer_saved(big, 2, 512, "bf16", kernel, device=d))
+        d: sum(t.nbytes for t in ledger.layer_saved(big, 2, 512, "bf16", kernel, device=d, dropout=dropout))
         for d in ("cpu", "cuda")
     }
     assert on["cuda"] - on["cpu"] == sum(t.nbytes for t in rows) > 0  # the same inventory, plus the RNG state
-    book = ledger.training_state_lifecycle(big, 2, 512, dtype="bf16", device="cuda", attention=kernel)
+    book = ledger.training_state_lifecycle(
+        big, 2, 512, dtype="bf16", device="cuda", attention=kernel, dropout=dropout
+    )
     seed_state = next(st for st in book.states if st.name == "layer.0.self_attn.sdpa_rng_seed")
     assert (seed_state.category, seed_state.nbytes, seed_state.released_at) == (
         "saved",
@@ -988,10 +1081,22 @@ def test_fused_kernels_keep_their_rng_state_on_cuda_as_torch_meta_kernels_say(ke
     )
 
 
-def test_the_efficient_and_math_kernels_keep_no_rng_state_on_the_device():
-    assert ledger.rng_state_saved("efficient", "cuda") == []  # its seed and offset live on the host
-    assert ledger.rng_state_saved("math", "cuda") == []
+def test_the_efficient_and_math_kernels_and_flash_without_dropout_keep_no_rng_state_on_the_device():
+    for dropout in (False, True):
+        assert ledger.rng_state_saved("efficient", "cuda", dropout=dropout) == []  # on the host
+        assert ledger.rng_state_saved("math", "cuda", dropout=dropout) == []
     assert ledger.inventory._rng_outputs("efficient", False)  # the meta kernel has them: on the host
+    # FlashAttention-2's mha_fwd without dropout: seed and offset are at::empty({}, kLong), host tensors
+    assert ledger.rng_state_saved("flash", "cuda") == []
+    assert ledger.inventory._rng_outputs("flash", False) and not any(
+        on_device for *_, on_device in ledger.inventory._rng_outputs("flash", False)
+    )
+    big = ledger.model_shape("qwen2.5-0.5b")
+    saved = {
+        kernel: sum(t.nbytes for t in ledger.layer_saved(big, 2, 512, "bf16", kernel, device="cuda"))
+        for kernel in ("flash", "cudnn")
+    }
+    assert saved["cudnn"] - saved["flash"] == 16  # cuDNN's two 8-byte scalars; flash's stay on the host
 
 
 def _context_report(tmp_path, **limits) -> str:
@@ -1267,12 +1372,12 @@ def test_history_blocks_need_the_same_address_and_rounded_size_and_the_check_is_
 
 def test_the_rng_probe_weighs_only_when_asked_and_a_failed_probe_raises():
     big = ledger.model_shape("qwen2.5-0.5b")
-    paper = ledger.layer_saved(big, 2, 512, "bf16", "flash", device="cuda")  # the meta kernel: any machine
+    paper = ledger.layer_saved(big, 2, 512, "bf16", "cudnn", device="cuda")  # the meta kernel: any machine
     assert [t.name for t in paper if "rng" in t.name] == [
         "self_attn.sdpa_rng_seed",
         "self_attn.sdpa_rng_offset",
     ]
-    book = ledger.training_state_lifecycle(big, 2, 512, dtype="bf16", device="cuda", attention="flash")
+    book = ledger.training_state_lifecycle(big, 2, 512, dtype="bf16", device="cuda", attention="cudnn")
     assert book.setup.weigh_rng is False and book.layer_saved() == paper
     if not torch.cuda.is_available():  # weighing needs this process's GPU: without one the probe fails loudly
         ledger.inventory._rng_outputs.cache_clear()

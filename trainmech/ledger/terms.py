@@ -36,6 +36,9 @@ class DeviceTerms:
     blas_workspace_measured: the warm-up measures the cuBLAS workspaces (CUDA only).
     exact_engines: section 8's exact bytes, bitwise results and collective counts were checked on the
     torch the CPU profile pins; the GPU machine's torch differs.
+    torch_pinned: the device's profile pins the torch version (CPU; the CUDA profile accepts the GPU
+    machine's torch as it is): the SDPA rule (`attention_kernel`) is claimed equal to the dispatched
+    kernel only there; elsewhere a difference is printed as drift (`Comparison.kernel_line`).
     """
 
     device: str
@@ -49,6 +52,7 @@ class DeviceTerms:
     allocator_tracked_tolerance: float | None
     blas_workspace_measured: bool
     exact_engines: bool
+    torch_pinned: bool
 
     @property
     def on_cuda(self) -> bool:
@@ -56,7 +60,7 @@ class DeviceTerms:
 
 
 _TERMS = {
-    "cpu": DeviceTerms("cpu", compare.CPU_POINTS, 0, (0.0, 0), 0.0, 0.0, True, 0.05, 0.01, False, True),
+    "cpu": DeviceTerms("cpu", compare.CPU_POINTS, 0, (0.0, 0), 0.0, 0.0, True, 0.05, 0.01, False, True, True),
     "cuda": DeviceTerms(
         "cuda",
         compare.CUDA_POINTS,
@@ -68,6 +72,7 @@ _TERMS = {
         0.05,
         None,
         True,
+        False,
         False,
     ),
 }
