@@ -872,7 +872,9 @@ def test_a_step_measured_by_the_cpu_allocator_takes_the_cuda_side_of_the_compari
     gpu = ledger.AllocatedReserved("cuda", 1000, 1100, 1500, ledger.allocator.CudaPeaks(1000, 1155, 1200))
     assert gpu.tracked_error == pytest.approx(0.1) and gpu.allocated_error == pytest.approx(0.05)
     assert gpu.reserved_error == pytest.approx(-0.2)
-    assert "allocated 1,155 (+5.0%), reserved 1,200 (-20.0% of the measured 1,500" in "\n".join(gpu.lines())
+    text = "\n".join(gpu.lines())
+    assert "allocated peak 1,155, +55 B (+5.00%) beside the measured 1,100" in text
+    assert "reserved peak 1,200 (-20.00% of the measured 1,500" in text
     plain = ledger.measure_point("qwen2-tiny", 1, 16, steps=("first",))
     with pytest.raises(TrainmechError, match="without an allocator") as e:
         ledger.allocated_reserved(plain[0], plain[0])
@@ -1617,7 +1619,18 @@ def test_task4_cells_run_with_cudas_terms_and_choices_forced_on_a_cpu(cuda_force
     peaks = ledger.allocated_reserved(*pair)
     assert peaks.model.allocated_peak > peaks.model.tensor_peak  # rounded to 512 B blocks
     assert abs(peaks.allocated_error) <= terms.allocator_model_tolerance
-    assert "\n".join(peaks.lines())
+    lines = peaks.lines()  # the model's allocated peak printed beside the measured one, on every allocator
+    assert any(f"allocated peak {peaks.model.allocated_peak:,}" in line for line in lines)
+    assert peaks.reserved_error is None  # the CPU allocator reports no reserved peak: the claim is CUDA's
+    # cuda-allocator-peaks on CUDA: the reserved claim's arithmetic on an allocator that reports a reserved peak
+    assert (
+        terms.reserved_model_tolerance == 0.05 and ledger.device_terms("cpu").reserved_model_tolerance is None
+    )
+    reported = dataclasses.replace(
+        peaks, source="cuda", measured_reserved=peaks.model.reserved_peak * 51 // 50
+    )
+    assert abs(reported.reserved_error) <= terms.reserved_model_tolerance
+    assert f"{reported.measured_reserved:,}" in reported.lines()[-1] and len(reported.lines()) == 3
     monkeypatch.setenv(
         "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
     )  # refused on this path on any device

@@ -33,6 +33,8 @@ class DeviceTerms:
     the tensor storages the ledger names; CUDA counts the allocator's rounded blocks).
     allocator_model_tolerance: the allocator model's allocated peak against the allocator's measured one
     (relative: the allocator's own count, with blocks and scratch the tracker cannot see).
+    reserved_model_tolerance: the model's reserved peak against the allocator's (None: not claimed; the
+    CPU allocator reports no reserved peak).
     allocator_tracked_tolerance: the allocator's peak against the tracked tensors (None: not claimed;
     on CUDA the allocator's peak has rounding and kernel scratch the tracker cannot see).
     blas_workspace_measured: the warm-up measures the cuBLAS workspaces (CUDA only).
@@ -49,6 +51,7 @@ class DeviceTerms:
     lifecycle_tolerance: tuple[float, int]
     exact_points: bool
     allocator_model_tolerance: float
+    reserved_model_tolerance: float | None
     allocator_tracked_tolerance: float | None
     blas_workspace_measured: bool
     exact_engines: bool
@@ -65,13 +68,14 @@ class DeviceTerms:
 
 
 _TERMS = {
-    "cpu": DeviceTerms("cpu", compare.CPU_POINTS, 0, (0.0, 0), True, 0.05, 0.01, False, True, True),
+    "cpu": DeviceTerms("cpu", compare.CPU_POINTS, 0, (0.0, 0), True, 0.05, None, 0.01, False, True, True),
     "cuda": DeviceTerms(
         "cuda",
         compare.CUDA_POINTS,
         compare.CUDA_SLACK_BYTES_PER_LAYER,
         compare.CUDA_LIFECYCLE_TOLERANCE,
         False,
+        0.05,
         0.05,
         None,
         True,
