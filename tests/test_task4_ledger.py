@@ -1588,7 +1588,11 @@ def test_task4_cells_run_with_cudas_terms_and_choices_forced_on_a_cpu(cuda_force
     assert ledger.attention_kernel(shape, "fp32", "cuda") == "math"  # the rule the forced kernel stands for
     assert first.kernel == steady.kernel == "math"  # kernel_of_ops on the tracked ops
     assert first.predicted.setup.optimizer_impl == "foreach" and first.predicted.device == "cpu"
-    # measure-first-steady: per-layer saved bytes against the math inventory within CUDA's slack
+    # measure-first-steady: CUDA's torch is not pinned, so the rule is printed beside the kernel that ran, not claimed
+    assert not terms.torch_pinned and first.kernel_line().startswith(
+        "SDPA kernel the forward dispatched: math"
+    )
+    # per-layer saved bytes against the math inventory within CUDA's slack
     added = first.measured.saved_added_per_layer(shape.num_layers)
     inventory = sum(t.nbytes for t in first.predicted.layer_saved())
     assert "self_attn.probs" in {t.name for t in first.predicted.layer_saved()}
