@@ -54,12 +54,15 @@ from trainmech.ledger.formulas import (
 from trainmech.ledger.inventory import (
     ATTENTION,
     DEVICES,
+    EFFICIENT_GQA_SINCE,
     KERNELS,
     SavedTensor,
+    SdpaStack,
     attention_kernel,
     kernel_of_ops,
     layer_saved,
     rng_state_saved,
+    sdpa_stack,
 )
 from trainmech.ledger.measured_matrix import (
     Measured,
@@ -125,6 +128,9 @@ __all__ = [
     "DEVICES",
     "KERNELS",
     "SavedTensor",
+    "EFFICIENT_GQA_SINCE",
+    "SdpaStack",
+    "sdpa_stack",
     "attention_kernel",
     "kernel_of_ops",
     "layer_saved",

@@ -12,8 +12,10 @@ The ledger counts tensor bytes. On a GPU three more things take memory:
    both peaks; `cuda_peaks(book)` replays a first and a steady update. The replay is an
    approximation: within a tick every birth comes before every release, a state is its tensors (a
    lump such as the parameters, one tensor per parameter tensor; a few known groups, such as SDPA's
-   four input gradients, split too) allocated together; expandable_segments and max_split_size_mb
-   are not modelled, and a measured step run with either is refused (`check_alloc_conf`).
+   four input gradients, split too) allocated together; expandable_segments, max_split_size_mb,
+   roundup_power2_divisions and garbage_collection_threshold are not modelled, and a measured step
+   whose environment sets any of them is refused (`check_alloc_conf`). Only the environment is read:
+   settings changed at run time (torch.cuda.memory._set_allocator_settings) are not seen.
 2. cuBLAS and cuBLASLt workspaces, allocated through the same allocator on a handle's first matmul on
    a stream and kept (the backward's device thread has its own handle): inside allocated, outside
    every tensor state. Their size depends on the torch version and on CUBLAS_WORKSPACE_CONFIG,
@@ -224,13 +226,18 @@ class CudaPeaks:
 UNMODELLED_ALLOC_CONF = (
     "expandable_segments:true",
     "max_split_size_mb",
+    "roundup_power2_divisions",
+    "garbage_collection_threshold",
 )  # settings the replay does not follow
 
 
 def check_alloc_conf(conf: str | None) -> None:
     """Refuse an allocator configuration the replay does not model (PYTORCH_CUDA_ALLOC_CONF /
-    PYTORCH_ALLOC_CONF): expandable segments grow one segment instead of reserving new ones, and
-    max_split_size_mb stops large blocks from being split; either moves the reserved peak."""
+    PYTORCH_ALLOC_CONF): expandable segments grow one segment instead of reserving new ones,
+    max_split_size_mb stops large blocks from being split, roundup_power2_divisions changes
+    round_size (no longer every block up to 512 B), and garbage_collection_threshold frees cached
+    blocks; each moves a peak. `conf` is the environment's string: settings changed at run time
+    (torch.cuda.memory._set_allocator_settings) are not seen."""
     given = (conf or "").replace(" ", "").lower()
     found = [setting for setting in UNMODELLED_ALLOC_CONF if setting in given]
     if found:

@@ -19,7 +19,7 @@ from typing import Any
 from trainmech.errors import TrainmechError
 from trainmech.ledger.book import Ledger, training_state_lifecycle
 from trainmech.ledger.clock import UPDATES
-from trainmech.ledger.inventory import attention_kernel, kernel_of_ops
+from trainmech.ledger.inventory import SdpaStack, attention_kernel, kernel_of_ops, sdpa_stack
 from trainmech.ledger.recipes import STEP_COUNTER_BYTES, recipe
 from trainmech.ledger.shape import model_shape
 
@@ -55,7 +55,8 @@ class Comparison:
     """Predicted and measured peak of one (model, batch, seq, step) point.
 
     kernel: the SDPA kernel the measured forward dispatched (the prediction uses it); rule_kernel: the
-    one the ledger's rule picks for this device (`attention_kernel`), the same on a CPU.
+    one the ledger's rule picks for this device (`attention_kernel`) on `stack`, the torch (and on
+    CUDA the GPU) the point ran on (`kernel_line`).
     workspace_bytes: what a warm-up forward and backward left allocated (CUDA: the cuBLAS and cuBLASLt
     workspaces, measured; None without a warm-up or off CUDA). history: the CUDA allocator's history of
     the point's steps (`measure_point(memory_history=True)`; empty off CUDA).
@@ -72,6 +73,7 @@ class Comparison:
     rule_kernel: str = ""
     workspace_bytes: int | None = None
     history: Any = field(default=None, repr=False)  # trainmech.measure.MemoryHistory
+    stack: SdpaStack | None = None
     measured_peak: int = field(init=False)
 
     def __post_init__(self):
@@ -120,6 +122,19 @@ class Comparison:
             if abs(a - b) > max(floor, relative * max(a, b)):
                 out[k] = (a, b)
         return out
+
+    def kernel_line(self) -> str:
+        """One line: the SDPA kernel the forward dispatched beside the rule's on the stack it ran on; where
+        they differ, the drift named (the rule is out of date for that stack; the prediction used the
+        dispatched kernel all the same)."""
+        on = self.stack.describe() if self.stack is not None else "stack not recorded"
+        line = f"SDPA kernel the forward dispatched: {self.kernel}   (the ledger's rule: {self.rule_kernel}, {on})"
+        if self.kernel != self.rule_kernel:
+            line += (
+                f"\n  drift: ledger.attention_kernel picks {self.rule_kernel} where this stack dispatched "
+                f"{self.kernel}; the rule is out of date for it (the prediction above used {self.kernel})"
+            )
+        return line
 
     def lifecycle_line(self, tolerance: tuple[float, int] = (0.0, 0)) -> str:
         """One line: the measured crossing groups, their bytes summed over the whole step (they are not
@@ -326,7 +341,9 @@ def measure_point(
     optimizer = _optimizer(built.model.parameters(), optimizer_impl, optimizer_in_backward)
     shape = model_shape(built.model.config)
     dropout = attention_dropout > 0
-    rule = attention_kernel(shape, dtype, device.type, attention, padded=padded, dropout=dropout)
+    gpu = (torch.cuda.get_device_capability(device), torch.version.cuda) if device.type == "cuda" else ()
+    stack = sdpa_stack(*gpu)  # the torch (and on CUDA the GPU) the rule is read for
+    rule = attention_kernel(shape, dtype, device.type, attention, padded=padded, dropout=dropout, stack=stack)
     out = []
     recording = (
         measure.cuda_memory_history(device) if memory_history else nullcontext(measure.MemoryHistory())
@@ -379,6 +396,7 @@ def measure_point(
                                 seen or "unknown",
                                 rule,
                                 workspace,
+                                stack=stack,
                             )
                         )
     finally:

@@ -6,7 +6,9 @@ kernel PyTorch dispatches, which depends on the device, the dtype, the attention
 the torch and cuDNN versions. Two answers, never mixed up:
 
 - `attention_kernel`: the ledger's rule, for paper calculations (a GPU it cannot see). On a CPU it
-  is what torch dispatches; on CUDA it is a rule of thumb that a version can break.
+  is what the pinned torch dispatches; on CUDA it depends on the stack (`SdpaStack`: the torch
+  version, and the GPU and cuDNN where a run sees them), and a torch it was not written for can
+  break it.
 - `kernel_of_ops`: the kernel a run really dispatched, read from the ATen ops a tracked forward
   created its storages with (`trainmech.ledger.compare.measure_point` predicts with that one).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 from trainmech.errors import TrainmechError
@@ -31,6 +34,12 @@ __all__ = [
     "KERNELS",
     "DEVICES",
     "SavedTensor",
+    "EFFICIENT_GQA_SINCE",
+    "CUDNN_FIRST_SINCE",
+    "CUDNN_FIRST_ABOVE",
+    "CUDNN_FIRST_GPUS",
+    "SdpaStack",
+    "sdpa_stack",
     "attention_kernel",
     "kernel_of_ops",
     "norm_saved",
@@ -60,6 +69,89 @@ class SavedTensor:
         return math.prod(self.shape) * self.element_bytes
 
 
+# The first torch (major, minor) whose CUDA memory-efficient kernel takes enable_gqa (pytorch PR #191085,
+# after torch 2.13: 2.13's meta kernel of its backward still gives grad_k and grad_v the query's heads, and
+# its scaled_dot_product_attention docstring says grouped-query attention runs on flash and math only).
+# An assumption about a release this project has not run: a GPU run prints the rule beside the kernel
+# that ran (`trainmech.ledger.compare.Comparison.kernel_line`).
+EFFICIENT_GQA_SINCE = (2, 14)
+# cuDNN's kernel goes first in SDPA's priority order on sm90 / sm100 (sm90, sm100 and sm103 on a CUDA < 13
+# build) when torch runs a cuDNN newer than 9.15.0 (sdp_utils.cpp, check_prefer_cudnn_attention, since torch
+# 2.10) and TORCH_CUDNN_SDPA_DEPRIORITIZED is not set; it takes only 16-bit inputs, and an attention mask.
+CUDNN_FIRST_SINCE = (2, 10)
+CUDNN_FIRST_ABOVE = 91500
+CUDNN_FIRST_GPUS = (9, 10)  # compute capability majors: H100 / H200, B200
+
+
+@dataclass(frozen=True)
+class SdpaStack:
+    """What CUDA's SDPA dispatch depends on besides the call itself.
+
+    torch: the torch version ("2.11.0+cu130"). The GPU's facts are known only where a run sees its GPU
+    (None otherwise): capability, the GPU's compute capability (major, minor); cudnn, the cuDNN version
+    torch runs (torch.backends.cudnn.version(), e.g. 91501); cuda_build, the CUDA version torch was built
+    with ("13.0"); cudnn_deprioritized, the environment sets TORCH_CUDNN_SDPA_DEPRIORITIZED.
+    """
+
+    torch: str
+    capability: tuple[int, int] | None = None
+    cudnn: int | None = None
+    cuda_build: str | None = None
+    cudnn_deprioritized: bool = False
+
+    @property
+    def torch_minor(self) -> tuple[int, int]:
+        """(major, minor) of `torch`."""
+        found = re.match(r"(\d+)\.(\d+)", self.torch)
+        if not found:
+            raise TrainmechError(
+                f"torch version {self.torch!r} is not major.minor[.patch], e.g. '2.13.0+cpu'"
+            )
+        return int(found[1]), int(found[2])
+
+    @property
+    def cudnn_first(self) -> bool:
+        """SDPA tries cuDNN's kernel first on this stack (False where the GPU or cuDNN is unknown)."""
+        if self.cudnn_deprioritized or self.capability is None or self.cudnn is None:
+            return False
+        major, minor = self.capability
+        new_cuda = self.cuda_build is not None and int(self.cuda_build.split(".")[0]) >= 13
+        return (
+            self.torch_minor >= CUDNN_FIRST_SINCE
+            and self.cudnn > CUDNN_FIRST_ABOVE
+            and major in CUDNN_FIRST_GPUS
+            and (new_cuda or minor in (0, 3))
+        )
+
+    def describe(self) -> str:
+        """One line: the facts the rule read (a GPU's only where known)."""
+        parts = [f"torch {self.torch}"]
+        if self.capability is not None:
+            parts.append(f"sm{self.capability[0]}{self.capability[1]}")
+        if self.cudnn is not None:
+            parts.append(f"cuDNN {self.cudnn}")
+        if self.cudnn_deprioritized:
+            parts.append("TORCH_CUDNN_SDPA_DEPRIORITIZED set")
+        return ", ".join(parts)
+
+
+def sdpa_stack(capability: tuple[int, int] | None = None, cuda_build: str | None = None) -> SdpaStack:
+    """This process's stack: its torch and TORCH_CUDNN_SDPA_DEPRIORITIZED, and with the GPU `capability`
+    and `cuda_build` the caller read from its device (torch.cuda.get_device_capability, torch.version.cuda)
+    the cuDNN torch runs; no capability: no GPU seen (a paper calculation)."""
+    import os
+
+    import torch
+
+    return SdpaStack(
+        torch.__version__,
+        None if capability is None else (int(capability[0]), int(capability[1])),
+        torch.backends.cudnn.version() if capability is not None else None,
+        cuda_build,
+        os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").strip().lower() in ("1", "true", "yes", "on"),
+    )
+
+
 def attention_kernel(
     shape: ModelShape,
     recipe_name: str,
@@ -68,6 +160,7 @@ def attention_kernel(
     *,
     padded: bool = False,
     dropout: bool = False,
+    stack: SdpaStack | None = None,
 ) -> str:
     """The ledger's rule for the SDPA kernel of this layer (flash / efficient / cudnn / math).
 
@@ -75,16 +168,17 @@ def attention_kernel(
     dropout; with dropout_p > 0 (a config's attention_dropout, in train mode) the math composite, whose
     softmax is followed by a dropout (torch 2.13's sdp_utils_cpp.cpp: the CPU flash kernel's constraints
     include check_for_dropout; measured by tests/test_task4_ledger.py). CUDA, dropout or not (its flash,
-    memory-efficient and cuDNN kernels take a dropout_p),
-    on paper: a padded batch comes with an attention mask, which the flash kernel refuses, so
-    transformers repeats K and V to every head and the memory-efficient kernel runs. Without a mask:
-    flash for 16-bit activations (autocast included); in fp32 the memory-efficient kernel, except
-    with grouped-query attention, where transformers passes enable_gqa=True, which that kernel
-    refused in the torch versions this rule was written against, so SDPA falls back to the math
-    composite that keeps the s×s probabilities. A rule, not a measurement: torch ≥ 2.10 with a
-    bundled cuDNN newer than 9.15.0 puts cuDNN first on sm90 / sm100 (sdp_utils.cpp,
-    check_prefer_cudnn_attention), and newer memory-efficient kernels accept enable_gqa. A run on a
-    GPU reads the kernel it dispatched (`kernel_of_ops`).
+    memory-efficient and cuDNN kernels take a dropout_p), on the stack `stack` (default: this process's
+    torch, no GPU seen): 16-bit activations (autocast included) run cuDNN's kernel where the stack puts
+    it first (`SdpaStack.cudnn_first`: an sm90 / sm100 GPU, a cuDNN newer than 9.15.0, torch ≥ 2.10,
+    TORCH_CUDNN_SDPA_DEPRIORITIZED unset), with a mask too; with no GPU seen (a paper calculation) it is
+    not assumed first. Otherwise a padded batch comes with an attention mask, which the flash kernel
+    refuses, so transformers repeats K and V to every head and the memory-efficient kernel runs. Without
+    a mask: flash for 16-bit activations; in fp32 the memory-efficient kernel, except with
+    grouped-query attention, where transformers passes enable_gqa=True, which that kernel refuses before
+    torch EFFICIENT_GQA_SINCE, so SDPA falls back to the math composite that keeps the s×s
+    probabilities. A rule, not a measurement: a run on a GPU reads the kernel it dispatched
+    (`kernel_of_ops`) and predicts with that one.
     """
     if attention not in ATTENTION:
         raise TrainmechError(f"unknown attention kernel {attention!r}; valid: {', '.join(ATTENTION)}")
@@ -94,11 +188,17 @@ def attention_kernel(
         return attention
     if device == "cpu":
         return "math" if dropout else "flash"
+    stack = sdpa_stack() if stack is None else stack
+    sixteen_bit = recipe(recipe_name).sixteen_bit
+    if sixteen_bit and stack.cudnn_first:
+        return "cudnn"
     if padded:
         return "efficient"
-    if recipe(recipe_name).sixteen_bit:
+    if sixteen_bit:
         return "flash"
-    return "math" if shape.num_heads != shape.num_kv_heads else "efficient"
+    if shape.num_heads == shape.num_kv_heads or stack.torch_minor >= EFFICIENT_GQA_SINCE:
+        return "efficient"
+    return "math"
 
 
 def kernel_of_ops(ops) -> str | None:
@@ -140,52 +240,65 @@ def norm_saved(
     return rows + ([SavedTensor(f"{prefix}.out", (b, s, h), out_bytes, consumed_at)] if keeps_output else [])
 
 
-# Where each fused SDPA op returns the philox seed and offset its autograd node keeps for the backward
-# (dropout or not), and whether they live on the device: flash and cuDNN keep them there, the
-# memory-efficient kernel on the host (no dropout, no graph capture), which no device byte holds.
-RNG_OUTPUTS = {"flash": ((6, 7), True), "cudnn": ((6, 7), True), "efficient": ((2, 3), False)}
+# Where each fused SDPA op returns the philox seed and offset its autograd node keeps for the backward,
+# and whether they live on the device (with dropout, without): flash keeps them there only when it drops
+# out (PyTorch's vendored FlashAttention-2, mha_fwd: p_dropout == 0 outside graph capture makes both
+# at::empty({}, kLong), host tensors); cuDNN keeps them there; the memory-efficient kernel on the host
+# (outside graph capture). No device byte holds a host tensor.
+RNG_OUTPUTS = {
+    "flash": ((6, 7), True, False),
+    "cudnn": ((6, 7), True, True),
+    "efficient": ((2, 3), False, False),
+}
+PROBE_DROPOUT = 0.25  # the dropout_p a probe with dropout draws (a multiple of 1/16: cuDNN's resolution)
 
 
-def _sdpa_op(kernel: str, q):
-    """Call the fused CUDA op of `kernel` on (q, q, q), causal, no dropout (meta tensors: shapes only)."""
+def _sdpa_op(kernel: str, q, dropout_p: float = 0.0):
+    """Call the fused CUDA op of `kernel` on (q, q, q), causal (meta tensors: shapes only)."""
     import torch
 
     aten = torch.ops.aten
     if kernel == "flash":
-        return aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True, False)
+        return aten._scaled_dot_product_flash_attention(q, q, q, dropout_p, True, False)
     if kernel == "cudnn":
-        return aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, True, False)
-    return aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.0, True)
+        return aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, dropout_p, True, False)
+    return aten._scaled_dot_product_efficient_attention(q, q, q, None, True, dropout_p, True)
 
 
 @functools.lru_cache(maxsize=None)
-def _rng_outputs(kernel: str, weigh: bool) -> tuple[tuple[tuple[int, ...], int, bool], ...]:
-    """(shape, element bytes, on the device) of the seed and offset `kernel` returns: weighed by running
-    its op on this process's GPU (weigh), else from torch's meta kernel and the rule for where they live.
-    A probe that fails raises: the kernel is one a run dispatched, or one a paper calculation names, and
-    a silent () would drop its RNG rows from the inventory."""
+def _rng_outputs(
+    kernel: str, weigh: bool, dropout: bool = False
+) -> tuple[tuple[tuple[int, ...], int, bool], ...]:
+    """(shape, element bytes, on the device) of the seed and offset `kernel` returns, with or without
+    dropout: weighed by running its op on this process's GPU (weigh), else from torch's meta kernel and
+    the rule for where they live (RNG_OUTPUTS). A probe that fails raises: the kernel is one a run
+    dispatched, or one a paper calculation names, and a silent () would drop its RNG rows from the inventory."""
     import torch
 
-    positions, on_device = RNG_OUTPUTS[kernel]
+    positions, with_dropout, without = RNG_OUTPUTS[kernel]
+    on_device = with_dropout if dropout else without
     if weigh:  # (batch, seq, heads, dim) transposed: the layout transformers hands SDPA
         q = torch.zeros(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     else:
         q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16)
-    out = _sdpa_op(kernel, q)
+    out = _sdpa_op(kernel, q, PROBE_DROPOUT if dropout else 0.0)
     kept = [out[k] for k in positions if isinstance(out[k], torch.Tensor)]
     return tuple(
         (tuple(t.shape), t.element_size(), t.device.type == "cuda" if weigh else on_device) for t in kept
     )
 
 
-def rng_state_saved(kernel: str, device: str, *, weigh: bool = False) -> list[SavedTensor]:
+def rng_state_saved(
+    kernel: str, device: str, *, weigh: bool = False, dropout: bool = False
+) -> list[SavedTensor]:
     """The RNG state one SDPA call keeps on the device for its backward. CPU: none (its kernels return
-    output and logsumexp only); math: none without dropout. CUDA: the seed and offset of the fused
-    kernel that stay on the device (`_rng_outputs`): weighed on this process's GPU when `weigh` (the
-    caller measures there), else the meta kernel's shapes, whatever GPU the machine has."""
+    output and logsumexp only); math: none (its dropout mask is a tensor of its own). CUDA: the seed and
+    offset of the fused kernel that stay on the device (`_rng_outputs`; flash's only with `dropout`):
+    weighed on this process's GPU when `weigh` (the caller measures there), else the meta kernel's
+    shapes and RNG_OUTPUTS, whatever GPU the machine has."""
     if device != "cuda" or kernel not in RNG_OUTPUTS:
         return []
-    outputs = _rng_outputs(kernel, bool(weigh))
+    outputs = _rng_outputs(kernel, bool(weigh), bool(dropout))
     names = ("self_attn.sdpa_rng_seed", "self_attn.sdpa_rng_offset")
     return [
         SavedTensor(name, shape, element_bytes, "attention")
@@ -219,8 +332,9 @@ def attention_saved(
     inputs are upcast first (torch ≥ 2.5's _scaled_dot_product_attention_math computes in fp32), so all
     but that output copy are fp32 whatever the activations' dtype (measured on the CPU in bf16); its v
     and output copy are consumed (o_proj's and probs @ v's backward) before its softmax backward, the
-    `attention` moment, so they are released at the layer's `mlp` moment. On CUDA the flash and cuDNN
-    kernels also keep their RNG seed and offset (`rng_state_saved`, weighed on the GPU with weigh_rng).
+    `attention` moment, so they are released at the layer's `mlp` moment. On CUDA cuDNN, and flash with
+    dropout, also keep their RNG seed and offset on the device (`rng_state_saved`, weighed on the GPU
+    with weigh_rng).
     repeat_kv: K and V repeated to every head before SDPA (default: with a mask, as transformers does;
     True without one: a torch whose kernel refuses enable_gqa needs them repeated to run it).
     dropout: the math composite drops out its probabilities (at::dropout: on the CPU a scaled Bernoulli mask
@@ -271,7 +385,7 @@ def attention_saved(
     return out + [
         SavedTensor("self_attn.sdpa_out", (b, s, heads * d), act, "attention"),  # also o_proj's input
         SavedTensor("self_attn.sdpa_logsumexp", (b, heads, rows), FP32_BYTES, "attention"),  # instead of s×s
-        *rng_state_saved(kernel, device, weigh=weigh_rng),
+        *rng_state_saved(kernel, device, weigh=weigh_rng, dropout=dropout),
     ]
 
 

@@ -53,21 +53,25 @@ class AllocatedReserved:
         return self.model.reserved_peak / self.measured_reserved - 1
 
     def lines(self) -> list[str]:
-        """The allocated peak beside the tracked tensors; on CUDA the allocator model's two peaks beside it."""
+        """The allocated peak beside the tracked tensors and the allocator model's allocated peak beside it
+        (every allocator); the reserved peak beside the model's where the allocator reports one (CUDA)."""
         who = "the CPU allocator, counted by torch.profiler" if self.source == "cpu-profiler" else "CUDA"
+        measured, model = self.measured_allocated, self.model
         out = [
-            f"allocated peak of the update ({who}): {self.measured_allocated:,}   "
-            f"tracked tensors {self.tracked_bytes:,} ({self.tracked_error:+.2%})"
+            f"allocated peak of the update ({who}): {measured:,}   "
+            f"tracked tensors {self.tracked_bytes:,} ({self.tracked_error:+.2%})",
+            f"allocator model (CUDA's caching allocator, blocks rounded to {allocator_model.BLOCK_ROUND} B): "
+            f"allocated peak {model.allocated_peak:,}, {model.allocated_peak - measured:+,} B "
+            f"({self.allocated_error:+.2%}) beside the measured {measured:,}",
         ]
         if self.measured_reserved is None:
             return out + [
-                "reserved peak: unknown (this allocator reports none); the allocator model predicts CUDA's "
-                "caching allocator, which does not run here"
+                f"reserved peak: unknown (this allocator reports none); the model's {model.reserved_peak:,} is "
+                "CUDA's caching allocator's, which does not run here"
             ]
         return out + [
-            f"allocator model: allocated {self.model.allocated_peak:,} ({self.allocated_error:+.1%}), reserved "
-            f"{self.model.reserved_peak:,} ({self.reserved_error:+.1%} of the measured {self.measured_reserved:,}, "
-            "whole process)"
+            f"allocator model: reserved peak {model.reserved_peak:,} ({self.reserved_error:+.2%} of the measured "
+            f"{self.measured_reserved:,}, whole process)"
         ]
 
 
