@@ -130,6 +130,12 @@ def autocast_around_the_head_alone(state, window):
     return candidates.window_backward(full_precision, window, contexts=(head_in_fp16,))
 
 
+def fp16_in_the_first_window_only(state, window):
+    """Claims FP16, but an FP32 "fallback" fires once the optimizer holds state: autocast in the first window only."""
+    precision = "fp32" if state.optimizer.state else state.precision  # the bug: the fallback's condition
+    return candidates.window_backward(dataclasses.replace(state, precision=precision), window)
+
+
 def scheduler_every_attempt(state):
     amp.scaled_step(state.scaler, state.optimizer)
     state.scheduler.step()
@@ -229,6 +235,13 @@ _BUGS = {
         "TRAIN-AMP-BACKWARD",
         "float16",
         {"backward": autocast_around_the_head_alone},
+        FP16,
+    ),
+    "fp16-in-the-first-window-only": (
+        "gradients",
+        "TRAIN-AMP-BACKWARD",
+        "float16",
+        {"backward": fp16_in_the_first_window_only},
         FP16,
     ),
     "nan-from-a-prompt-only-micro-batch": (
@@ -752,7 +765,7 @@ def grads_trace(
         losses=[1.0] * windows,
         grads=[grads] * windows,
         dtypes=sorted({d for ran in linears.values() for d in ran}),
-        linear_dtypes=linears,
+        linear_dtypes=[linears] * windows,
     )
 
 
@@ -773,13 +786,13 @@ def test_gradients_gate_compares_every_window_but_the_non_finite_ones():
         "r",
         losses=[1.0, 1.0, 1.0],
         grads=[good, {"a": torch.tensor([float("nan"), 0.0])}, good],
-        linear_dtypes={"lm_head": ["float32"]},
+        linear_dtypes=[{"lm_head": ["float32"]}] * 3,
     )
     late = tracing.Trace(
         "c",
         losses=[1.0, 1.0, 1.0],
         grads=[good, {"a": torch.tensor([9.0, 9.0])}, {"a": torch.tensor([1.0, 2.5])}],
-        linear_dtypes={"lm_head": ["float32"]},
+        linear_dtypes=[{"lm_head": ["float32"]}] * 3,
     )
     tol = gates.Tolerances(1e-4, 1.0, "float32 rounding", "x")
     verdict = gates.gradients_gate(ref, late, "float32", tol)
@@ -808,7 +821,7 @@ def test_gradients_gate_refuses_another_dtype_and_non_finite_gradients():
     assert "ran other dtypes" in gates.gradients_gate(ref, grads_trace({"a": [1.0]}), "float16", tol).message
     head = replace(
         grads_trace({"a": [1.0]}),
-        linear_dtypes={"model.layers.0.mlp.up_proj": ["float32"], "lm_head": ["float16"]},
+        linear_dtypes=[{"model.layers.0.mlp.up_proj": ["float32"], "lm_head": ["float16"]}],
     )
     said = gates.gradients_gate(
         ref, head, "float16", tol
@@ -816,7 +829,7 @@ def test_gradients_gate_refuses_another_dtype_and_non_finite_gradients():
     assert said.message.endswith("; float16 ran in lm_head") and said.evidence["claimed_ran_in"] == [
         "lm_head"
     ]
-    none = replace(head, linear_dtypes={"model.layers.0.mlp.up_proj": ["float32"], "lm_head": ["float32"]})
+    none = replace(head, linear_dtypes=[{"model.layers.0.mlp.up_proj": ["float32"], "lm_head": ["float32"]}])
     assert gates.gradients_gate(ref, none, "float16", tol).message.endswith("; float16 ran in none of them")
     assert not gates.gradients_gate(ref, grads_trace({"a": [float("nan")]}), "float32", tol).passed
     stopped = replace(grads_trace({"a": [1.0]}), grads=[], error="attempt 0, backward: X")
@@ -1111,3 +1124,39 @@ def test_a_candidate_that_edits_its_windows_in_place_fails_its_own_inputs_gate_a
         measure=False,
     )
     assert after.failed_gate is None
+
+
+def test_gradients_gate_holds_the_claimed_dtype_in_every_attempt_not_the_first_alone():
+    """A candidate that runs FP16 in the first window and FP32 after it: its later gradients sit well inside the FP16
+    tolerance, so only the dtype of every attempt (own and teacher-forced passes alike) stops it, where it changes."""
+    layer, head = LINEARS
+    fp16 = {layer: ["float16"], head: ["float32"]}
+    ref, tol = grads_trace({"a": [1.0]}, windows=3), gates.Tolerances(2e-2, 1.0, "", "")
+    late = replace(
+        grads_trace({"a": [1.0]}, windows=3),
+        linear_dtypes=[fp16, {layer: ["float32"], head: ["float32"]}, fp16],
+    )
+    said = gates.gradients_gate(ref, late, "float16", tol)
+    assert not said.passed and said.message.startswith("attempt 1: claims float16")
+    assert said.evidence["dtype_attempt"] == 1 and said.evidence["dtype_mismatches"] == {layer: ["float32"]}
+    assert gates.gradients_gate(ref, replace(late, linear_dtypes=[fp16] * 3), "float16", tol).passed
+
+
+def test_a_run_records_the_linear_dtypes_of_every_attempt_and_gate_2_stops_fp16_in_the_first_window_only(
+    gw, reference
+):
+    buggy, _, _ = PLANTED["fp16-in-the-first-window-only"]
+    trace = tracing.run_trace(buggy, gw, teacher=reference.trace)
+    layer = "model.layers.0.mlp.up_proj"
+    assert len(trace.linear_dtypes) == len(trace.grads) == ATTEMPTS
+    assert [ran[layer] for ran in trace.linear_dtypes] == [["float16"]] + [["float32"]] * (ATTEMPTS - 1)
+    fp16 = gate_report.judge(FP16, gw, reference, measure=False).trace
+    assert (
+        all(ran[layer] == ["float16"] for ran in fp16.linear_dtypes) and len(fp16.linear_dtypes) == ATTEMPTS
+    )
+    verdict = gates.gradients_gate(reference.trace, trace, "float16", reference.tolerances("float16"))
+    assert not verdict.passed and verdict.evidence["dtype_attempt"] == 1
+    first_only = replace(trace, linear_dtypes=trace.linear_dtypes[:1])  # what a check of window 0 alone saw
+    assert gates.gradients_gate(
+        reference.trace, first_only, "float16", reference.tolerances("float16")
+    ).passed

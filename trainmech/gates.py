@@ -8,7 +8,7 @@ fails; a fifth stage measures and never passes or fails:
                    packing keeps it), the same windows were handed out, under the same RNG state
     2 gradients    every window's gradients, computed from the reference's weights at that window, agree
                    with the reference's, parameter by parameter, within the tolerance of the dtype that
-                   actually ran, which must be the claimed one in every decoder layer
+                   actually ran, which must be the claimed one in every decoder layer, in every window
     3 updates      the same number of effective updates, no non-finite value written, and the optimizer's
                    and the scheduler's step counts and learning rates follow the update clock
     4 quality      held-out token loss after the same effective updates, within a fraction of how far
@@ -82,6 +82,7 @@ __all__ = [
     "scaler_skips",
     "overflow_skips",
     "dtype_mismatches",
+    "first_dtype_mismatch",
     "correctness_gate",
     "bitwise_equal",
     *_decision.__all__,  # the decision rule, re-exported: gates.decide, gates.RULE, …
@@ -178,15 +179,26 @@ def inputs_gate(
     )
 
 
-def dtype_mismatches(candidate: Trace, claimed_dtype: str) -> dict[str, list[str]]:
-    """The Linear modules whose outputs in the first window were not what the claim allows: every one must run
-    the claimed dtype, alone; those named in FLOAT32_LINEARS may run float32 instead (or beside it)."""
+def dtype_mismatches(linears: dict[str, list[str]], claimed_dtype: str) -> dict[str, list[str]]:
+    """The Linear modules of one attempt (`Trace.linear_dtypes[a]`) whose outputs were not what the claim allows:
+    every one must run the claimed dtype, alone; those named in FLOAT32_LINEARS may run float32 instead (or beside it)."""
     allowed = lambda name: {claimed_dtype} | ({"float32"} if name in FLOAT32_LINEARS else set())  # noqa: E731
     return {
         name: ran
-        for name, ran in candidate.linear_dtypes.items()
+        for name, ran in linears.items()
         if not set(ran) <= allowed(name) or (name not in FLOAT32_LINEARS and claimed_dtype not in ran)
     }
+
+
+def first_dtype_mismatch(candidate: Trace, claimed_dtype: str) -> tuple[int, dict[str, list[str]]] | None:
+    """(the first attempt where a Linear module ran off the claim or none ran, its `dtype_mismatches`), or None: the
+    claim is held in every attempt, own and teacher-forced passes alike, so a candidate that runs the claimed dtype
+    in the first window and another one later is caught where it changes."""
+    for attempt, linears in enumerate(candidate.linear_dtypes or [{}]):
+        off = dtype_mismatches(linears, claimed_dtype)
+        if off or not linears:
+            return attempt, off
+    return None
 
 
 def _not_an_overflow(candidate: Trace, k: int) -> str:
@@ -207,8 +219,9 @@ def _not_an_overflow(candidate: Trace, k: int) -> str:
 def gradients_gate(
     ref: Trace, candidate: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
-    """Gate 2: the claimed dtype ran in every decoder-layer Linear (only FLOAT32_LINEARS, e.g. the head, may run
-    float32 beside or instead of it: an autocast around the head alone is no FP16 candidate); in every compared
+    """Gate 2: the claimed dtype ran in every decoder-layer Linear, in every attempt (only FLOAT32_LINEARS, e.g. the
+    head, may run float32 beside or instead of it: an autocast around the head alone is no FP16 candidate, nor one
+    that runs FP16 in the first window and FP32 after it); in every compared
     window — a window GradScaler skipped by its gradients at a scale where they fit (`judged_grads`) — every
     parameter's gradient within the claimed dtype's tolerance."""
     tol = tol or tolerances(claimed_dtype, ref)
@@ -222,23 +235,26 @@ def gradients_gate(
         "rtol": tol.grad_rtol,
         "rtol_from": tol.grad_from,
     }
-    off = dtype_mismatches(candidate, claimed_dtype)
-    evidence["dtype_mismatches"] = off
-    if off or not candidate.linear_dtypes:
+    mismatch = first_dtype_mismatch(candidate, claimed_dtype)
+    evidence["dtype_attempt"], evidence["dtype_mismatches"] = mismatch or (None, {})
+    if mismatch:
+        attempt, off = mismatch
+        linears = candidate.linear_dtypes[attempt] if candidate.linear_dtypes else {}
         first = next(iter(off), None)
         where = (
-            f"{len(off)} of {len(candidate.linear_dtypes)} Linear modules ran other dtypes (first: {first}, "
-            f"{'/'.join(off[first])})"
+            f"{len(off)} of {len(linears)} Linear modules ran other dtypes (first: {first}, {'/'.join(off[first])})"
             if off
             else "no Linear module ran"
         )
-        claimed_in = [n for n, ran_as in candidate.linear_dtypes.items() if claimed_dtype in ran_as]
+        claimed_in = [n for n, ran_as in linears.items() if claimed_dtype in ran_as]
         evidence["claimed_ran_in"] = claimed_in
         named = ", ".join(claimed_in[:3]) + (
             f" and {len(claimed_in) - 3} more" if len(claimed_in) > 3 else ""
         )
         where += f"; {claimed_dtype} ran in {named or 'none of them'}"  # what tells two such candidates apart
-        return Verdict("gradients", False, evidence, f"claims {claimed_dtype}, but {where}")
+        return Verdict(
+            "gradients", False, evidence, f"attempt {attempt}: claims {claimed_dtype}, but {where}"
+        )
     windows = compared_windows(ref, candidate)
     if not windows:
         return Verdict("gradients", False, evidence, "no window to compare: the reference has no finite one")

@@ -81,12 +81,11 @@ class Trace:
     weights: list[dict[str, torch.Tensor]] = field(
         default_factory=list
     )  # keep_weights: the parameters at each attempt's start
-    dtypes: list[str] = field(
+    dtypes: list[str] = field(default_factory=list)  # what the Linear layers produced, every attempt together
+    linear_dtypes: list[dict[str, list[str]]] = field(
         default_factory=list
-    )  # what the Linear layers produced in the first window, together
-    linear_dtypes: dict[str, list[str]] = field(
-        default_factory=dict
-    )  # … per Linear module (its name in the model): what gate 2 holds to the claimed dtype
+    )  # per attempt that finished its backward (its own pass and a teacher-forced one alike), per Linear module
+    #    (its name in the model): what its outputs were — what gate 2 holds to the claimed dtype, attempt by attempt
     stepped: list[bool] = field(default_factory=list)  # per attempt: optimizer.step() ran
     scaler_backoff: list[bool] = field(
         default_factory=list
@@ -479,9 +478,8 @@ class _Run:
             trace.losses.append(loss)
             if self.keep_grads:
                 trace.grads.append(grads)
-            if attempt == 0:
-                trace.linear_dtypes = {name: sorted(d) for name, d in dtypes.items()}
-                trace.dtypes = sorted(set().union(*dtypes.values()))
+            trace.linear_dtypes.append({name: sorted(d) for name, d in dtypes.items()})
+            trace.dtypes = sorted(set(trace.dtypes).union(*dtypes.values()))
             stage, scale = "update", _scale(self.state)
             self.candidate.update(self.state)
             backoff = self.state.scaler.is_enabled() and _scale(self.state) < scale
@@ -523,7 +521,7 @@ def run_trace(
     keep_grads: bool = True,
 ) -> Trace:
     """Run the candidate through every attempt of the gate workload from the initial weights, watching what
-    the model receives, every window's gradients, the first window's dtypes, every optimizer step and the
+    the model receives, every window's gradients, the dtypes every Linear ran in each window, every optimizer step and the
     held-out loss. An exception from the candidate ends the run and is kept in `error`. seed: the RNG seed
     the run starts from (default the workload's; another one gives the reference's seed-to-seed spread).
 
