@@ -1160,3 +1160,24 @@ def test_a_run_records_the_linear_dtypes_of_every_attempt_and_gate_2_stops_fp16_
     assert gates.gradients_gate(
         reference.trace, first_only, "float16", reference.tolerances("float16")
     ).passed
+
+
+def test_the_in_place_clamp_is_stopped_by_autograds_version_check_in_the_first_backward(gw, reference):
+    """Gate 2 says "no gradients" for any exception in the backward: what stopped this one must be the version
+    counter's error, in attempt 0's backward; the out-of-place clamp gives the reference's bits on a CPU."""
+    buggy, _, fixed = PLANTED["checkpoint-in-place"]
+    raised = tracing.run_trace(buggy, gw, teacher=reference.trace)
+    assert gates.stopped_at(raised) == (0, "backward") and "modified by an inplace operation" in raised.error
+    assert gates.stopped_at(reference.trace) is None
+    assert gates.stopped_at(replace(raised, error="attempt 3, update: RuntimeError: x")) == (3, "update")
+    assert gates.bitwise_equal(reference.trace, tracing.run_trace(fixed, gw, teacher=reference.trace))
+
+
+def test_bitwise_equal_holds_through_the_injected_windows_nan_and_sees_one_bit():
+    nan = float("nan")
+    ref = tracing.Trace("r", losses=[1.0, nan], grads=[{"a": torch.ones(2)}, {"a": torch.tensor([nan, 1.0])}])
+    same = replace(ref, losses=list(ref.losses), grads=[{"a": g["a"].clone()} for g in ref.grads])
+    assert gates.bitwise_equal(ref, same)
+    one_ulp_up = torch.nextafter(torch.ones(2), torch.full((2,), 2.0))
+    assert not gates.bitwise_equal(ref, replace(same, grads=[{"a": one_ulp_up}, same.grads[1]]))
+    assert not gates.bitwise_equal(ref, replace(same, losses=[1.0, 0.0]))

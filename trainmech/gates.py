@@ -47,6 +47,7 @@ settled.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,7 @@ __all__ = [
     "effective_updates",
     "scaler_skips",
     "overflow_skips",
+    "stopped_at",
     "dtype_mismatches",
     "first_dtype_mismatch",
     "correctness_gate",
@@ -119,8 +121,8 @@ class Verdict:
         return self.passed is False
 
 
-def _stopped(trace: Trace) -> tuple[int, str] | None:
-    """(attempt, stage) where the candidate's exception ended the run, or None."""
+def stopped_at(trace: Trace) -> tuple[int, str] | None:
+    """(attempt, stage) where the candidate's exception ended the run ("backward" or "update"), or None."""
     if not trace.error:
         return None
     head = trace.error.split(":")[0]  # "attempt 3, backward"
@@ -141,7 +143,7 @@ def inputs_gate(
     }
     if candidate.handed != ref.handed[:n]:
         return Verdict("inputs", False, evidence, "the windows handed out differ from the reference's")
-    stopped = _stopped(candidate)
+    stopped = stopped_at(candidate)
 
     def same(a: int) -> bool:  # a run the candidate's exception ended consumed only part of its last window
         got, want = sorted(candidate.consumed[a]), sorted(ref.consumed[a])
@@ -225,7 +227,7 @@ def gradients_gate(
     window — a window GradScaler skipped by its gradients at a scale where they fit (`judged_grads`) — every
     parameter's gradient within the claimed dtype's tolerance."""
     tol = tol or tolerances(claimed_dtype, ref)
-    stopped = _stopped(candidate)
+    stopped = stopped_at(candidate)
     if not candidate.grads:
         return Verdict("gradients", False, {"error": candidate.error}, f"no gradients: {candidate.error}")
     ran = candidate.dtypes
@@ -471,17 +473,29 @@ def correctness_gate(
     return verdicts
 
 
+def _same_bits(a, b) -> bool:
+    """Bit for bit: two tensors (dtype, shape and bytes) or two Python floats; a NaN equals the same NaN."""
+    if not torch.is_tensor(a):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
 def bitwise_equal(ref: Trace, candidate: Trace) -> bool:
     """Every window's loss and every gradient tensor bitwise equal to the reference's (over the candidate's
-    windows, which may be fewer): what a strategy that changes no arithmetic (recompute the same ops, fetch
-    back the same bits) must give on a CPU."""
+    windows, which may be fewer), the injected window's NaN included: what a strategy that changes no arithmetic
+    (recompute the same ops, fetch back the same bits) must give on a CPU."""
     n = len(candidate.grads)
     return (
         candidate.error is None
         and 0 < n <= len(ref.grads)
-        and candidate.losses == ref.losses[:n]
+        and len(candidate.losses) >= n
+        and all(_same_bits(a, b) for a, b in zip(candidate.losses[:n], ref.losses))
         and all(
-            a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            a.keys() == b.keys() and all(_same_bits(a[k], b[k]) for k in a)
             for a, b in zip(candidate.grads, ref.grads)
         )
     )
