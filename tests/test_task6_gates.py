@@ -1181,3 +1181,15 @@ def test_bitwise_equal_holds_through_the_injected_windows_nan_and_sees_one_bit()
     one_ulp_up = torch.nextafter(torch.ones(2), torch.full((2,), 2.0))
     assert not gates.bitwise_equal(ref, replace(same, grads=[{"a": one_ulp_up}, same.grads[1]]))
     assert not gates.bitwise_equal(ref, replace(same, losses=[1.0, 0.0]))
+
+
+def test_the_fixed_fp16_twin_steps_at_the_references_learning_rates_and_the_scheduler_bug_does_not(
+    gw, reference
+):
+    """What Task6's scheduler cell claims of the twin, beyond its updates verdict: the same learning rate at each
+    effective update as the reference, no GradScaler skip of an update the reference made; the bug departs."""
+    fixed = gate_report.judge(FP16, gw, reference, measure=False).trace
+    assert fixed.lrs == reference.trace.lrs and gates.scaler_skips(reference.trace, fixed) == []
+    buggy, _, _ = PLANTED["scheduler-on-skips"]
+    moved = tracing.run_trace(buggy, gw, keep_grads=False)
+    assert moved.lrs != reference.trace.lrs[: len(moved.lrs)] and len(moved.lrs) == len(reference.trace.lrs)
