@@ -1193,3 +1193,17 @@ def test_the_fixed_fp16_twin_steps_at_the_references_learning_rates_and_the_sche
     buggy, _, _ = PLANTED["scheduler-on-skips"]
     moved = tracing.run_trace(buggy, gw, keep_grads=False)
     assert moved.lrs != reference.trace.lrs[: len(moved.lrs)] and len(moved.lrs) == len(reference.trace.lrs)
+
+
+def test_the_calibrated_loss_scale_is_the_largest_that_fits_and_a_power_of_two_below_the_start(gw):
+    """From 2**40 the calibration halves to the largest scale at which every clean window's gradients are finite: it
+    is 2**(40 - halvings), and from twice it at least one clean window overflows again (the same seed each time)."""
+    hot = dataclasses.replace(gw, loss_scale_start=2.0**40)
+    torch.manual_seed(gw.seed)
+    scale, halvings = candidates.calibrated_scale(FP16, hot)
+    assert halvings > 0 and scale == 2.0 ** (40 - halvings)
+    torch.manual_seed(gw.seed)
+    again, more = candidates.calibrated_scale(FP16, dataclasses.replace(gw, loss_scale_start=2 * scale))
+    assert more >= 1 and again == scale
+    torch.manual_seed(gw.seed)
+    assert candidates.calibrated_scale(FP16, dataclasses.replace(gw, loss_scale_start=scale)) == (scale, 0)
