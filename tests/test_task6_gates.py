@@ -1207,3 +1207,29 @@ def test_the_calibrated_loss_scale_is_the_largest_that_fits_and_a_power_of_two_b
     assert more >= 1 and again == scale
     torch.manual_seed(gw.seed)
     assert candidates.calibrated_scale(FP16, dataclasses.replace(gw, loss_scale_start=scale)) == (scale, 0)
+
+
+def test_a_random_draw_in_the_last_attempt_alone_changes_the_rng_state_after_it(gw, reference):
+    """Digests at each attempt's start never see the last attempt's own draws: the one after it does."""
+    updates = []
+
+    def draws_in_the_last_update(state):
+        updates.append(1)
+        if len(updates) == ATTEMPTS:
+            torch.rand(1)  # the bug: one extra draw, after every digest taken at an attempt's start
+        candidates.effective_update(state)
+
+    late = tracing.run_trace(
+        candidates.Candidate("draws-last", "TRAIN-AMP-BACKWARD", update=draws_in_the_last_update),
+        gw,
+        keep_grads=False,
+    )
+    assert late.rng == reference.trace.rng and late.rng_after != reference.trace.rng_after
+    verdict = gates.inputs_gate(reference.trace, late)
+    assert not verdict.passed and verdict.message == (
+        f"the RNG state after the last attempt ({ATTEMPTS - 1}) differs from the reference's"
+    )
+    assert reference.trace.rng_after is not None and len(reference.trace.rng) == ATTEMPTS
+    assert gates.inputs_gate(reference.trace, replace(late, rng_after=reference.trace.rng_after)).passed
+    stopped = replace(late, rng_after=None, error="attempt 7, update: RuntimeError: x")
+    assert gates.inputs_gate(reference.trace, stopped).passed  # a run that stopped has no state after its end

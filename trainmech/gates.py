@@ -5,7 +5,8 @@ run recorded in a Trace (trainmech.tracing). Four gates judge, in order, up to t
 fails; a fifth stage measures and never passes or fails:
 
     1 inputs       per window, the same multiset of sequences reached the model (re-splitting, reordering or
-                   packing keeps it), the same windows were handed out, under the same RNG state
+                   packing keeps it), the same windows were handed out, under the same RNG state (at every
+                   attempt's start and after the last one)
     2 gradients    every window's gradients, computed from the reference's weights at that window, agree
                    with the reference's, parameter by parameter, within the tolerance of the dtype that
                    actually ran, which must be the claimed one in every decoder layer, in every window
@@ -133,7 +134,8 @@ def stopped_at(trace: Trace) -> tuple[int, str] | None:
 def inputs_gate(
     ref: Trace, candidate: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
-    """Gate 1: the same windows handed out, the same multiset of sequences consumed per window, the same RNG states."""
+    """Gate 1: the same windows handed out, the same multiset of sequences consumed per window, the same RNG states at
+    every attempt's start and after the last one."""
     n = len(candidate.consumed)
     evidence = {
         "attempts": n,
@@ -161,9 +163,21 @@ def inputs_gate(
             evidence,
             f"attempt {differ}: the model received {got} of the reference's {want} sequences (or different ones)",
         )
-    if candidate.rng != ref.rng[:n]:
+    differ = next((a for a, (got, want) in enumerate(zip(candidate.rng, ref.rng)) if got != want), None)
+    if differ is not None or len(candidate.rng) > len(ref.rng):
+        at = differ if differ is not None else len(ref.rng)
         return Verdict(
-            "inputs", False, evidence, "the RNG state at a window's start differs from the reference's"
+            "inputs",
+            False,
+            evidence,
+            f"attempt {at}: the RNG state at its start differs from the reference's",
+        )
+    if candidate.rng_after is not None and candidate.rng_after != ref.rng_after:
+        return Verdict(
+            "inputs",
+            False,
+            evidence,
+            f"the RNG state after the last attempt ({n - 1}) differs from the reference's",
         )
     if stopped:  # gate 2 or 3 judges the exception itself
         return Verdict(

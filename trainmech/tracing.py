@@ -70,6 +70,9 @@ class Trace:
         default_factory=list
     )  # per attempt: digest of the window handed out (ids, masks, labels)
     rng: list[str] = field(default_factory=list)  # per attempt: digest of the RNG state at its start
+    rng_after: str | None = (
+        None  # … and after the last attempt (None when the run stopped): its draws count too
+    )
     tokens: int = 0  # visible tokens the model received
     losses: list[float] = field(
         default_factory=list
@@ -501,8 +504,11 @@ class _Run:
         return True
 
     def end(self) -> None:
-        """What the watchers saw, the optimizer's and the scheduler's own counts, the held-out loss at the end."""
+        """What the watchers saw, the optimizer's and the scheduler's own counts, the RNG state after the last attempt
+        (extra draws there, or draws reordered inside it, change it), the held-out loss at the end."""
         trace, state = self.trace, self.state
+        if trace.error is None:
+            trace.rng_after = _rng_digest(self.workload.device)
         trace.consumed, trace.tokens, trace.lrs = self.inputs.windows, self.inputs.tokens, self.steps.lrs
         counts = [s["step"] for s in state.optimizer.state.values() if "step" in s]
         trace.optimizer_steps = int(counts[0]) if counts else 0
