@@ -43,6 +43,7 @@ __all__ = [
     "timing_counts",
     "Trace",
     "sequence_digests",
+    "window_digest",
     "InputLog",
     "watch_inputs",
     "StepLog",
@@ -369,8 +370,9 @@ def _same_weights(params: dict[str, torch.nn.Parameter], weights: dict[str, torc
     return all(torch.equal(p.detach().cpu(), weights[n]) for n, p in params.items())
 
 
-def _handed(window: list[dict], injected: bool) -> str:
-    """Digest of the window handed out: ids, masks and labels of every micro-batch, and whether it was poisoned."""
+def window_digest(window: list[dict], injected: bool) -> str:
+    """Digest of a window handed out: ids, masks and labels of every micro-batch, and whether it was poisoned (gate 1's
+    `Trace.handed`; `gate_report` takes it again after a run, of the copy the candidate was handed)."""
     return _digest(
         *[mb[k] for mb in window for k in ("input_ids", "attention_mask", "labels")], torch.tensor([injected])
     )
@@ -412,7 +414,7 @@ class _Run:
     def start(self, attempt: int, window: list[dict], keep_weights: bool) -> None:
         """What an attempt starts from: the window handed out, the RNG state, the learning rate (and the weights)."""
         self.inputs.windows.append([])
-        self.trace.handed.append(_handed(window, attempt in self.workload.inject_at))
+        self.trace.handed.append(window_digest(window, attempt in self.workload.inject_at))
         self.trace.rng.append(_rng_digest(self.workload.device))
         self.trace.attempt_lrs.append(self.state.optimizer.param_groups[0]["lr"])
         if keep_weights:
