@@ -130,6 +130,12 @@ def autocast_around_the_head_alone(state, window):
     return candidates.window_backward(full_precision, window, contexts=(head_in_fp16,))
 
 
+def fp16_in_the_first_window_only(state, window):
+    """Claims FP16, but an FP32 "fallback" fires once the optimizer holds state: autocast in the first window only."""
+    precision = "fp32" if state.optimizer.state else state.precision  # the bug: the fallback's condition
+    return candidates.window_backward(dataclasses.replace(state, precision=precision), window)
+
+
 def scheduler_every_attempt(state):
     amp.scaled_step(state.scaler, state.optimizer)
     state.scheduler.step()
@@ -229,6 +235,13 @@ _BUGS = {
         "TRAIN-AMP-BACKWARD",
         "float16",
         {"backward": autocast_around_the_head_alone},
+        FP16,
+    ),
+    "fp16-in-the-first-window-only": (
+        "gradients",
+        "TRAIN-AMP-BACKWARD",
+        "float16",
+        {"backward": fp16_in_the_first_window_only},
         FP16,
     ),
     "nan-from-a-prompt-only-micro-batch": (
@@ -752,7 +765,7 @@ def grads_trace(
         losses=[1.0] * windows,
         grads=[grads] * windows,
         dtypes=sorted({d for ran in linears.values() for d in ran}),
-        linear_dtypes=linears,
+        linear_dtypes=[linears] * windows,
     )
 
 
@@ -773,13 +786,13 @@ def test_gradients_gate_compares_every_window_but_the_non_finite_ones():
         "r",
         losses=[1.0, 1.0, 1.0],
         grads=[good, {"a": torch.tensor([float("nan"), 0.0])}, good],
-        linear_dtypes={"lm_head": ["float32"]},
+        linear_dtypes=[{"lm_head": ["float32"]}] * 3,
     )
     late = tracing.Trace(
         "c",
         losses=[1.0, 1.0, 1.0],
         grads=[good, {"a": torch.tensor([9.0, 9.0])}, {"a": torch.tensor([1.0, 2.5])}],
-        linear_dtypes={"lm_head": ["float32"]},
+        linear_dtypes=[{"lm_head": ["float32"]}] * 3,
     )
     tol = gates.Tolerances(1e-4, 1.0, "float32 rounding", "x")
     verdict = gates.gradients_gate(ref, late, "float32", tol)
@@ -808,7 +821,7 @@ def test_gradients_gate_refuses_another_dtype_and_non_finite_gradients():
     assert "ran other dtypes" in gates.gradients_gate(ref, grads_trace({"a": [1.0]}), "float16", tol).message
     head = replace(
         grads_trace({"a": [1.0]}),
-        linear_dtypes={"model.layers.0.mlp.up_proj": ["float32"], "lm_head": ["float16"]},
+        linear_dtypes=[{"model.layers.0.mlp.up_proj": ["float32"], "lm_head": ["float16"]}],
     )
     said = gates.gradients_gate(
         ref, head, "float16", tol
@@ -816,7 +829,7 @@ def test_gradients_gate_refuses_another_dtype_and_non_finite_gradients():
     assert said.message.endswith("; float16 ran in lm_head") and said.evidence["claimed_ran_in"] == [
         "lm_head"
     ]
-    none = replace(head, linear_dtypes={"model.layers.0.mlp.up_proj": ["float32"], "lm_head": ["float32"]})
+    none = replace(head, linear_dtypes=[{"model.layers.0.mlp.up_proj": ["float32"], "lm_head": ["float32"]}])
     assert gates.gradients_gate(ref, none, "float16", tol).message.endswith("; float16 ran in none of them")
     assert not gates.gradients_gate(ref, grads_trace({"a": [float("nan")]}), "float32", tol).passed
     stopped = replace(grads_trace({"a": [1.0]}), grads=[], error="attempt 0, backward: X")
@@ -1111,3 +1124,112 @@ def test_a_candidate_that_edits_its_windows_in_place_fails_its_own_inputs_gate_a
         measure=False,
     )
     assert after.failed_gate is None
+
+
+def test_gradients_gate_holds_the_claimed_dtype_in_every_attempt_not_the_first_alone():
+    """A candidate that runs FP16 in the first window and FP32 after it: its later gradients sit well inside the FP16
+    tolerance, so only the dtype of every attempt (own and teacher-forced passes alike) stops it, where it changes."""
+    layer, head = LINEARS
+    fp16 = {layer: ["float16"], head: ["float32"]}
+    ref, tol = grads_trace({"a": [1.0]}, windows=3), gates.Tolerances(2e-2, 1.0, "", "")
+    late = replace(
+        grads_trace({"a": [1.0]}, windows=3),
+        linear_dtypes=[fp16, {layer: ["float32"], head: ["float32"]}, fp16],
+    )
+    said = gates.gradients_gate(ref, late, "float16", tol)
+    assert not said.passed and said.message.startswith("attempt 1: claims float16")
+    assert said.evidence["dtype_attempt"] == 1 and said.evidence["dtype_mismatches"] == {layer: ["float32"]}
+    assert gates.gradients_gate(ref, replace(late, linear_dtypes=[fp16] * 3), "float16", tol).passed
+
+
+def test_a_run_records_the_linear_dtypes_of_every_attempt_and_gate_2_stops_fp16_in_the_first_window_only(
+    gw, reference
+):
+    buggy, _, _ = PLANTED["fp16-in-the-first-window-only"]
+    trace = tracing.run_trace(buggy, gw, teacher=reference.trace)
+    layer = "model.layers.0.mlp.up_proj"
+    assert len(trace.linear_dtypes) == len(trace.grads) == ATTEMPTS
+    assert [ran[layer] for ran in trace.linear_dtypes] == [["float16"]] + [["float32"]] * (ATTEMPTS - 1)
+    fp16 = gate_report.judge(FP16, gw, reference, measure=False).trace
+    assert (
+        all(ran[layer] == ["float16"] for ran in fp16.linear_dtypes) and len(fp16.linear_dtypes) == ATTEMPTS
+    )
+    verdict = gates.gradients_gate(reference.trace, trace, "float16", reference.tolerances("float16"))
+    assert not verdict.passed and verdict.evidence["dtype_attempt"] == 1
+    first_only = replace(trace, linear_dtypes=trace.linear_dtypes[:1])  # what a check of window 0 alone saw
+    assert gates.gradients_gate(
+        reference.trace, first_only, "float16", reference.tolerances("float16")
+    ).passed
+
+
+def test_the_in_place_clamp_is_stopped_by_autograds_version_check_in_the_first_backward(gw, reference):
+    """Gate 2 says "no gradients" for any exception in the backward: what stopped this one must be the version
+    counter's error, in attempt 0's backward; the out-of-place clamp gives the reference's bits on a CPU."""
+    buggy, _, fixed = PLANTED["checkpoint-in-place"]
+    raised = tracing.run_trace(buggy, gw, teacher=reference.trace)
+    assert gates.stopped_at(raised) == (0, "backward") and "modified by an inplace operation" in raised.error
+    assert gates.stopped_at(reference.trace) is None
+    assert gates.stopped_at(replace(raised, error="attempt 3, update: RuntimeError: x")) == (3, "update")
+    assert gates.bitwise_equal(reference.trace, tracing.run_trace(fixed, gw, teacher=reference.trace))
+
+
+def test_bitwise_equal_holds_through_the_injected_windows_nan_and_sees_one_bit():
+    nan = float("nan")
+    ref = tracing.Trace("r", losses=[1.0, nan], grads=[{"a": torch.ones(2)}, {"a": torch.tensor([nan, 1.0])}])
+    same = replace(ref, losses=list(ref.losses), grads=[{"a": g["a"].clone()} for g in ref.grads])
+    assert gates.bitwise_equal(ref, same)
+    one_ulp_up = torch.nextafter(torch.ones(2), torch.full((2,), 2.0))
+    assert not gates.bitwise_equal(ref, replace(same, grads=[{"a": one_ulp_up}, same.grads[1]]))
+    assert not gates.bitwise_equal(ref, replace(same, losses=[1.0, 0.0]))
+
+
+def test_the_fixed_fp16_twin_steps_at_the_references_learning_rates_and_the_scheduler_bug_does_not(
+    gw, reference
+):
+    """What Task6's scheduler cell claims of the twin, beyond its updates verdict: the same learning rate at each
+    effective update as the reference, no GradScaler skip of an update the reference made; the bug departs."""
+    fixed = gate_report.judge(FP16, gw, reference, measure=False).trace
+    assert fixed.lrs == reference.trace.lrs and gates.scaler_skips(reference.trace, fixed) == []
+    buggy, _, _ = PLANTED["scheduler-on-skips"]
+    moved = tracing.run_trace(buggy, gw, keep_grads=False)
+    assert moved.lrs != reference.trace.lrs[: len(moved.lrs)] and len(moved.lrs) == len(reference.trace.lrs)
+
+
+def test_the_calibrated_loss_scale_is_the_largest_that_fits_and_a_power_of_two_below_the_start(gw):
+    """From 2**40 the calibration halves to the largest scale at which every clean window's gradients are finite: it
+    is 2**(40 - halvings), and from twice it at least one clean window overflows again (the same seed each time)."""
+    hot = dataclasses.replace(gw, loss_scale_start=2.0**40)
+    torch.manual_seed(gw.seed)
+    scale, halvings = candidates.calibrated_scale(FP16, hot)
+    assert halvings > 0 and scale == 2.0 ** (40 - halvings)
+    torch.manual_seed(gw.seed)
+    again, more = candidates.calibrated_scale(FP16, dataclasses.replace(gw, loss_scale_start=2 * scale))
+    assert more >= 1 and again == scale
+    torch.manual_seed(gw.seed)
+    assert candidates.calibrated_scale(FP16, dataclasses.replace(gw, loss_scale_start=scale)) == (scale, 0)
+
+
+def test_a_random_draw_in_the_last_attempt_alone_changes_the_rng_state_after_it(gw, reference):
+    """Digests at each attempt's start never see the last attempt's own draws: the one after it does."""
+    updates = []
+
+    def draws_in_the_last_update(state):
+        updates.append(1)
+        if len(updates) == ATTEMPTS:
+            torch.rand(1)  # the bug: one extra draw, after every digest taken at an attempt's start
+        candidates.effective_update(state)
+
+    late = tracing.run_trace(
+        candidates.Candidate("draws-last", "TRAIN-AMP-BACKWARD", update=draws_in_the_last_update),
+        gw,
+        keep_grads=False,
+    )
+    assert late.rng == reference.trace.rng and late.rng_after != reference.trace.rng_after
+    verdict = gates.inputs_gate(reference.trace, late)
+    assert not verdict.passed and verdict.message == (
+        f"the RNG state after the last attempt ({ATTEMPTS - 1}) differs from the reference's"
+    )
+    assert reference.trace.rng_after is not None and len(reference.trace.rng) == ATTEMPTS
+    assert gates.inputs_gate(reference.trace, replace(late, rng_after=reference.trace.rng_after)).passed
+    stopped = replace(late, rng_after=None, error="attempt 7, update: RuntimeError: x")
+    assert gates.inputs_gate(reference.trace, stopped).passed  # a run that stopped has no state after its end

@@ -41,7 +41,7 @@ from trainmech.gates import (
     scaler_skips,
 )
 from trainmech.performance import Performance, remeasure
-from trainmech.tracing import Trace, _handed, run_trace
+from trainmech.tracing import Trace, run_trace, window_digest
 
 __all__ = [
     "Report",
@@ -253,7 +253,7 @@ def _own_copy_run(candidate: Candidate, workload: GateWorkload, teacher: Trace) 
         windows=[MicroBatches([{k: v.clone() for k, v in mb.items()} for mb in w]) for w in workload.windows],
     )
     trace = run_trace(candidate, own, teacher=teacher)
-    trace.handed = [_handed(own.windows[k], k in own.inject_at) for k in range(len(trace.handed))]
+    trace.handed = [window_digest(own.windows[k], k in own.inject_at) for k in range(len(trace.handed))]
     return trace
 
 

@@ -5,10 +5,11 @@ run recorded in a Trace (trainmech.tracing). Four gates judge, in order, up to t
 fails; a fifth stage measures and never passes or fails:
 
     1 inputs       per window, the same multiset of sequences reached the model (re-splitting, reordering or
-                   packing keeps it), the same windows were handed out, under the same RNG state
+                   packing keeps it), the same windows were handed out, under the same RNG state (at every
+                   attempt's start and after the last one)
     2 gradients    every window's gradients, computed from the reference's weights at that window, agree
                    with the reference's, parameter by parameter, within the tolerance of the dtype that
-                   actually ran, which must be the claimed one in every decoder layer
+                   actually ran, which must be the claimed one in every decoder layer, in every window
     3 updates      the same number of effective updates, no non-finite value written, and the optimizer's
                    and the scheduler's step counts and learning rates follow the update clock
     4 quality      held-out token loss after the same effective updates, within a fraction of how far
@@ -47,6 +48,7 @@ settled.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +83,9 @@ __all__ = [
     "effective_updates",
     "scaler_skips",
     "overflow_skips",
+    "stopped_at",
     "dtype_mismatches",
+    "first_dtype_mismatch",
     "correctness_gate",
     "bitwise_equal",
     *_decision.__all__,  # the decision rule, re-exported: gates.decide, gates.RULE, …
@@ -118,8 +122,8 @@ class Verdict:
         return self.passed is False
 
 
-def _stopped(trace: Trace) -> tuple[int, str] | None:
-    """(attempt, stage) where the candidate's exception ended the run, or None."""
+def stopped_at(trace: Trace) -> tuple[int, str] | None:
+    """(attempt, stage) where the candidate's exception ended the run ("backward" or "update"), or None."""
     if not trace.error:
         return None
     head = trace.error.split(":")[0]  # "attempt 3, backward"
@@ -130,7 +134,8 @@ def _stopped(trace: Trace) -> tuple[int, str] | None:
 def inputs_gate(
     ref: Trace, candidate: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
-    """Gate 1: the same windows handed out, the same multiset of sequences consumed per window, the same RNG states."""
+    """Gate 1: the same windows handed out, the same multiset of sequences consumed per window, the same RNG states at
+    every attempt's start and after the last one."""
     n = len(candidate.consumed)
     evidence = {
         "attempts": n,
@@ -140,7 +145,7 @@ def inputs_gate(
     }
     if candidate.handed != ref.handed[:n]:
         return Verdict("inputs", False, evidence, "the windows handed out differ from the reference's")
-    stopped = _stopped(candidate)
+    stopped = stopped_at(candidate)
 
     def same(a: int) -> bool:  # a run the candidate's exception ended consumed only part of its last window
         got, want = sorted(candidate.consumed[a]), sorted(ref.consumed[a])
@@ -158,9 +163,21 @@ def inputs_gate(
             evidence,
             f"attempt {differ}: the model received {got} of the reference's {want} sequences (or different ones)",
         )
-    if candidate.rng != ref.rng[:n]:
+    differ = next((a for a, (got, want) in enumerate(zip(candidate.rng, ref.rng)) if got != want), None)
+    if differ is not None or len(candidate.rng) > len(ref.rng):
+        at = differ if differ is not None else len(ref.rng)
         return Verdict(
-            "inputs", False, evidence, "the RNG state at a window's start differs from the reference's"
+            "inputs",
+            False,
+            evidence,
+            f"attempt {at}: the RNG state at its start differs from the reference's",
+        )
+    if candidate.rng_after is not None and candidate.rng_after != ref.rng_after:
+        return Verdict(
+            "inputs",
+            False,
+            evidence,
+            f"the RNG state after the last attempt ({n - 1}) differs from the reference's",
         )
     if stopped:  # gate 2 or 3 judges the exception itself
         return Verdict(
@@ -178,15 +195,26 @@ def inputs_gate(
     )
 
 
-def dtype_mismatches(candidate: Trace, claimed_dtype: str) -> dict[str, list[str]]:
-    """The Linear modules whose outputs in the first window were not what the claim allows: every one must run
-    the claimed dtype, alone; those named in FLOAT32_LINEARS may run float32 instead (or beside it)."""
+def dtype_mismatches(linears: dict[str, list[str]], claimed_dtype: str) -> dict[str, list[str]]:
+    """The Linear modules of one attempt (`Trace.linear_dtypes[a]`) whose outputs were not what the claim allows:
+    every one must run the claimed dtype, alone; those named in FLOAT32_LINEARS may run float32 instead (or beside it)."""
     allowed = lambda name: {claimed_dtype} | ({"float32"} if name in FLOAT32_LINEARS else set())  # noqa: E731
     return {
         name: ran
-        for name, ran in candidate.linear_dtypes.items()
+        for name, ran in linears.items()
         if not set(ran) <= allowed(name) or (name not in FLOAT32_LINEARS and claimed_dtype not in ran)
     }
+
+
+def first_dtype_mismatch(candidate: Trace, claimed_dtype: str) -> tuple[int, dict[str, list[str]]] | None:
+    """(the first attempt where a Linear module ran off the claim or none ran, its `dtype_mismatches`), or None: the
+    claim is held in every attempt, own and teacher-forced passes alike, so a candidate that runs the claimed dtype
+    in the first window and another one later is caught where it changes."""
+    for attempt, linears in enumerate(candidate.linear_dtypes or [{}]):
+        off = dtype_mismatches(linears, claimed_dtype)
+        if off or not linears:
+            return attempt, off
+    return None
 
 
 def _not_an_overflow(candidate: Trace, k: int) -> str:
@@ -207,12 +235,13 @@ def _not_an_overflow(candidate: Trace, k: int) -> str:
 def gradients_gate(
     ref: Trace, candidate: Trace, claimed_dtype: str = "float32", tol: Tolerances | None = None
 ) -> Verdict:
-    """Gate 2: the claimed dtype ran in every decoder-layer Linear (only FLOAT32_LINEARS, e.g. the head, may run
-    float32 beside or instead of it: an autocast around the head alone is no FP16 candidate); in every compared
+    """Gate 2: the claimed dtype ran in every decoder-layer Linear, in every attempt (only FLOAT32_LINEARS, e.g. the
+    head, may run float32 beside or instead of it: an autocast around the head alone is no FP16 candidate, nor one
+    that runs FP16 in the first window and FP32 after it); in every compared
     window — a window GradScaler skipped by its gradients at a scale where they fit (`judged_grads`) — every
     parameter's gradient within the claimed dtype's tolerance."""
     tol = tol or tolerances(claimed_dtype, ref)
-    stopped = _stopped(candidate)
+    stopped = stopped_at(candidate)
     if not candidate.grads:
         return Verdict("gradients", False, {"error": candidate.error}, f"no gradients: {candidate.error}")
     ran = candidate.dtypes
@@ -222,23 +251,26 @@ def gradients_gate(
         "rtol": tol.grad_rtol,
         "rtol_from": tol.grad_from,
     }
-    off = dtype_mismatches(candidate, claimed_dtype)
-    evidence["dtype_mismatches"] = off
-    if off or not candidate.linear_dtypes:
+    mismatch = first_dtype_mismatch(candidate, claimed_dtype)
+    evidence["dtype_attempt"], evidence["dtype_mismatches"] = mismatch or (None, {})
+    if mismatch:
+        attempt, off = mismatch
+        linears = candidate.linear_dtypes[attempt] if candidate.linear_dtypes else {}
         first = next(iter(off), None)
         where = (
-            f"{len(off)} of {len(candidate.linear_dtypes)} Linear modules ran other dtypes (first: {first}, "
-            f"{'/'.join(off[first])})"
+            f"{len(off)} of {len(linears)} Linear modules ran other dtypes (first: {first}, {'/'.join(off[first])})"
             if off
             else "no Linear module ran"
         )
-        claimed_in = [n for n, ran_as in candidate.linear_dtypes.items() if claimed_dtype in ran_as]
+        claimed_in = [n for n, ran_as in linears.items() if claimed_dtype in ran_as]
         evidence["claimed_ran_in"] = claimed_in
         named = ", ".join(claimed_in[:3]) + (
             f" and {len(claimed_in) - 3} more" if len(claimed_in) > 3 else ""
         )
         where += f"; {claimed_dtype} ran in {named or 'none of them'}"  # what tells two such candidates apart
-        return Verdict("gradients", False, evidence, f"claims {claimed_dtype}, but {where}")
+        return Verdict(
+            "gradients", False, evidence, f"attempt {attempt}: claims {claimed_dtype}, but {where}"
+        )
     windows = compared_windows(ref, candidate)
     if not windows:
         return Verdict("gradients", False, evidence, "no window to compare: the reference has no finite one")
@@ -455,17 +487,29 @@ def correctness_gate(
     return verdicts
 
 
+def _same_bits(a, b) -> bool:
+    """Bit for bit: two tensors (dtype, shape and bytes) or two Python floats; a NaN equals the same NaN."""
+    if not torch.is_tensor(a):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
 def bitwise_equal(ref: Trace, candidate: Trace) -> bool:
     """Every window's loss and every gradient tensor bitwise equal to the reference's (over the candidate's
-    windows, which may be fewer): what a strategy that changes no arithmetic (recompute the same ops, fetch
-    back the same bits) must give on a CPU."""
+    windows, which may be fewer), the injected window's NaN included: what a strategy that changes no arithmetic
+    (recompute the same ops, fetch back the same bits) must give on a CPU."""
     n = len(candidate.grads)
     return (
         candidate.error is None
         and 0 < n <= len(ref.grads)
-        and candidate.losses == ref.losses[:n]
+        and len(candidate.losses) >= n
+        and all(_same_bits(a, b) for a, b in zip(candidate.losses[:n], ref.losses))
         and all(
-            a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            a.keys() == b.keys() and all(_same_bits(a[k], b[k]) for k in a)
             for a, b in zip(candidate.grads, ref.grads)
         )
     )

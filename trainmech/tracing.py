@@ -43,6 +43,7 @@ __all__ = [
     "timing_counts",
     "Trace",
     "sequence_digests",
+    "window_digest",
     "InputLog",
     "watch_inputs",
     "StepLog",
@@ -70,6 +71,9 @@ class Trace:
         default_factory=list
     )  # per attempt: digest of the window handed out (ids, masks, labels)
     rng: list[str] = field(default_factory=list)  # per attempt: digest of the RNG state at its start
+    rng_after: str | None = (
+        None  # … and after the last attempt (None when the run stopped): its draws count too
+    )
     tokens: int = 0  # visible tokens the model received
     losses: list[float] = field(
         default_factory=list
@@ -81,12 +85,11 @@ class Trace:
     weights: list[dict[str, torch.Tensor]] = field(
         default_factory=list
     )  # keep_weights: the parameters at each attempt's start
-    dtypes: list[str] = field(
+    dtypes: list[str] = field(default_factory=list)  # what the Linear layers produced, every attempt together
+    linear_dtypes: list[dict[str, list[str]]] = field(
         default_factory=list
-    )  # what the Linear layers produced in the first window, together
-    linear_dtypes: dict[str, list[str]] = field(
-        default_factory=dict
-    )  # … per Linear module (its name in the model): what gate 2 holds to the claimed dtype
+    )  # per attempt that finished its backward (its own pass and a teacher-forced one alike), per Linear module
+    #    (its name in the model): what its outputs were — what gate 2 holds to the claimed dtype, attempt by attempt
     stepped: list[bool] = field(default_factory=list)  # per attempt: optimizer.step() ran
     scaler_backoff: list[bool] = field(
         default_factory=list
@@ -367,8 +370,9 @@ def _same_weights(params: dict[str, torch.nn.Parameter], weights: dict[str, torc
     return all(torch.equal(p.detach().cpu(), weights[n]) for n, p in params.items())
 
 
-def _handed(window: list[dict], injected: bool) -> str:
-    """Digest of the window handed out: ids, masks and labels of every micro-batch, and whether it was poisoned."""
+def window_digest(window: list[dict], injected: bool) -> str:
+    """Digest of a window handed out: ids, masks and labels of every micro-batch, and whether it was poisoned (gate 1's
+    `Trace.handed`; `gate_report` takes it again after a run, of the copy the candidate was handed)."""
     return _digest(
         *[mb[k] for mb in window for k in ("input_ids", "attention_mask", "labels")], torch.tensor([injected])
     )
@@ -410,7 +414,7 @@ class _Run:
     def start(self, attempt: int, window: list[dict], keep_weights: bool) -> None:
         """What an attempt starts from: the window handed out, the RNG state, the learning rate (and the weights)."""
         self.inputs.windows.append([])
-        self.trace.handed.append(_handed(window, attempt in self.workload.inject_at))
+        self.trace.handed.append(window_digest(window, attempt in self.workload.inject_at))
         self.trace.rng.append(_rng_digest(self.workload.device))
         self.trace.attempt_lrs.append(self.state.optimizer.param_groups[0]["lr"])
         if keep_weights:
@@ -479,9 +483,8 @@ class _Run:
             trace.losses.append(loss)
             if self.keep_grads:
                 trace.grads.append(grads)
-            if attempt == 0:
-                trace.linear_dtypes = {name: sorted(d) for name, d in dtypes.items()}
-                trace.dtypes = sorted(set().union(*dtypes.values()))
+            trace.linear_dtypes.append({name: sorted(d) for name, d in dtypes.items()})
+            trace.dtypes = sorted(set(trace.dtypes).union(*dtypes.values()))
             stage, scale = "update", _scale(self.state)
             self.candidate.update(self.state)
             backoff = self.state.scaler.is_enabled() and _scale(self.state) < scale
@@ -503,8 +506,11 @@ class _Run:
         return True
 
     def end(self) -> None:
-        """What the watchers saw, the optimizer's and the scheduler's own counts, the held-out loss at the end."""
+        """What the watchers saw, the optimizer's and the scheduler's own counts, the RNG state after the last attempt
+        (extra draws there, or draws reordered inside it, change it), the held-out loss at the end."""
         trace, state = self.trace, self.state
+        if trace.error is None:
+            trace.rng_after = _rng_digest(self.workload.device)
         trace.consumed, trace.tokens, trace.lrs = self.inputs.windows, self.inputs.tokens, self.steps.lrs
         counts = [s["step"] for s in state.optimizer.state.values() if "step" in s]
         trace.optimizer_steps = int(counts[0]) if counts else 0
@@ -523,7 +529,7 @@ def run_trace(
     keep_grads: bool = True,
 ) -> Trace:
     """Run the candidate through every attempt of the gate workload from the initial weights, watching what
-    the model receives, every window's gradients, the first window's dtypes, every optimizer step and the
+    the model receives, every window's gradients, the dtypes every Linear ran in each window, every optimizer step and the
     held-out loss. An exception from the candidate ends the run and is kept in `error`. seed: the RNG seed
     the run starts from (default the workload's; another one gives the reference's seed-to-seed spread).
 

@@ -286,6 +286,10 @@ NOTEBOOK_CELLS = {
     "CPU only (there its host copies are tracked storages born in the update; on CUDA they are host memory); so is each "
     "candidate's difference between Task4's and Task6's peaks (the logits Task6's step holds)",
     "Task6:checkpoint-passes": "forward + backward equal to the whole update's tracked peak is claimed on CPU only",
+    "Task6:inplace-clamp": "the out-of-place clamp bitwise equal to the reference is claimed on CPU only (a GPU's "
+    "atomics may reorder sums: there gate 2's tolerance judges it)",
+    "Task6:scheduler-every-attempt": "no GradScaler skip of an update the reference made is claimed on CPU only (a GPU "
+    "run may overflow after the calibrated start); the fp16 twin's learning rates, update by update, everywhere",
     "Task6:imports-setup": "3 warm-up + 21 timed steps on CUDA; one CPU thread only on CPU",
     "Task6:gradient-errors-figure": "the FP16 margin claim is CPU-only; on CUDA the margin is printed as unverified (the "
     "float16 tolerance's first GPU calibration)",
