@@ -1111,3 +1111,32 @@ def test_a_candidate_that_edits_its_windows_in_place_fails_its_own_inputs_gate_a
         measure=False,
     )
     assert after.failed_gate is None
+
+
+def test_each_layer_keeps_the_layer_pre_hooks_outside_and_only_it_puts_an_instance_forward_inside(
+    gw, reference
+):
+    """Planted bugs 5 and 6 use the page's own each_layer (checkpoint_layers): the layer's forward pre-hooks stay
+    outside the checkpoint (once per layer, the MLP's twice), as under transformers' checkpointing; the in-place
+    clamp, an instance forward, is inside each_layer's checkpoint and outside transformers' (it fires only there)."""
+    n = gw.model.config.num_hidden_layers
+    for contexts in ((each_layer,), (candidates.activation_checkpointing,)):
+        layers, mlps = candidates.hook_calls(gw, *contexts)
+        assert layers == dict.fromkeys(range(n), 1) and mlps == dict.fromkeys(range(n), 2)
+    with checkpointing.count_calls(gw.model.model.layers) as plain:  # no checkpoint: the MLP once
+        candidates.hook_calls(gw)
+    assert plain == dict.fromkeys(range(n), 1)
+    in_place = partial(clamp_layer_inputs, in_place=True)
+    ours = gate_report.judge(
+        candidates.candidate("clamp-each-layer", "TRAIN-CHECKPOINT", in_place, each_layer),
+        gw,
+        reference,
+        measure=False,
+    )
+    theirs = gate_report.judge(
+        candidates.candidate("clamp-hf", "TRAIN-CHECKPOINT", in_place, candidates.activation_checkpointing),
+        gw,
+        reference,
+        measure=False,
+    )
+    assert ours.failed_gate == "gradients" and theirs.passed

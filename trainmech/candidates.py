@@ -57,6 +57,7 @@ __all__ = [
     "fixed_batch_workload",
     "calibrated_scale",
     "window_transfers",
+    "hook_calls",
 ]
 
 MAX_SCALE_HALVINGS = 40  # FP16 loss-scale calibration gives up below 2**16 / 2**40
@@ -430,3 +431,24 @@ def window_transfers(workload: GateWorkload, offloading: Offloading, *contexts) 
             state.close()
             workload.model.zero_grad(set_to_none=True)
     return offloading.collect()
+
+
+def hook_calls(workload: GateWorkload, *contexts) -> tuple[dict[int, int], dict[int, int]]:
+    """A probe, no update: one forward + backward of the first micro-batch of the workload's first window from the
+    initial weights inside `contexts` (a checkpointing); how often each decoder layer's forward pre-hooks ran, and
+    each layer's MLP's, by layer index. A checkpoint that replays the layer calls its MLP again; a pre-hook of the
+    layer itself runs again only if the checkpoint wraps the layer's __call__, not its forward."""
+    model = workload.model
+    probe = candidate("probe", "TRAIN-CHECKPOINT", *contexts)
+    with (
+        workload.running(),
+        checkpointing.count_calls(model.model.layers) as layers,
+        checkpointing.count_calls([layer.mlp for layer in model.model.layers]) as mlps,
+    ):
+        state = workload.fresh_state(probe)
+        try:
+            probe.backward(state, MicroBatches(workload.windows[0][:1]))
+        finally:
+            state.close()
+            model.zero_grad(set_to_none=True)
+    return dict(sorted(layers.items())), dict(sorted(mlps.items()))
