@@ -1068,7 +1068,9 @@ def test_the_smoke_gates_shape_is_one_where_the_ledger_predicts_a_checkpoint_gai
     bytes per sequence: the ledger must predict both on that shape. At 64 tokens on the tied 2-layer Qwen2.5 the
     tied embedding's gradient sets the peak, the baseline slope is 0 and ledger_inputs refuses it."""
     spec = profiles.for_mode("TRAIN-CUDA-MECHANISM").workload("smoke-gates")
-    predicted = gates.ledger_inputs(spec, "checkpoint")
+    predicted = gates.ledger_inputs(
+        spec, "checkpoint", padded=True, residual_dropout=True
+    )  # as the gates run it
     assert predicted.update_drop > 0 and predicted.capacity_gain >= gates.RULE.min_peak_drop
     with pytest.raises(ValueError, match="does not grow with the rows"):
         gates.ledger_inputs(spec.model_copy(update={"seq": 64}), "checkpoint")
@@ -1140,3 +1142,79 @@ def test_each_layer_keeps_the_layer_pre_hooks_outside_and_only_it_puts_an_instan
         measure=False,
     )
     assert ours.failed_gate == "gradients" and theirs.passed
+
+
+def test_the_ledger_keeps_one_residual_dropout_mask_per_layer_and_a_padded_batch_changes_the_prediction(
+    tiny_profile_model,
+):
+    """The gate workload's MLP-output dropout keeps one mask of the MLP output's dtype per layer (measured: the
+    saved storages of the tiny model with and without `candidates.residual_dropout`); the right-padded gate batch
+    moves fp32 SDPA off the math kernel, so the prediction the GPU run is held to must say padded=True."""
+    from trainmech import ledger
+
+    base = ledger.training_state_lifecycle("qwen2.5-0.5b", 2, 256, device="cuda", padded=True)
+    dropped = ledger.training_state_lifecycle(
+        "qwen2.5-0.5b", 2, 256, device="cuda", padded=True, residual_dropout=True
+    )
+    extra = sum(t.nbytes for t in dropped.layer_saved()) - sum(t.nbytes for t in base.layer_saved())
+    assert extra == 2 * 256 * 896 * 4 and dropped.options()["residual_dropout"]
+    fp16 = ledger.training_state_lifecycle(
+        "qwen2.5-0.5b", 2, 256, dtype="autocast-fp16", device="cuda", residual_dropout=True
+    )
+    assert {t.name: t.nbytes for t in fp16.layer_saved()}["mlp.residual_dropout_mask"] == 2 * 256 * 896 * 2
+    model = tiny_profile_model(seed=0).model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+
+    def saved_bytes(context) -> int:
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        return sum(storages.values())
+
+    from contextlib import nullcontext
+
+    measured = saved_bytes(candidates.residual_dropout(model, 0.1)) - saved_bytes(nullcontext())
+    assert measured == model.config.num_hidden_layers * 2 * 8 * model.config.hidden_size * 4
+    spec = profiles.for_mode("TRAIN-CUDA-MECHANISM").workload("b4s256_gates")
+    plain, as_run = (
+        gates.ledger_inputs(spec, "checkpoint"),
+        gates.ledger_inputs(spec, "checkpoint", padded=True, residual_dropout=True),
+    )
+    assert as_run.capacity_gain < plain.capacity_gain and "right-padded" in as_run.shape
+
+
+def test_a_gpu_measurement_is_held_to_the_ledger_within_tolerances_that_can_fail(gpu_performance):
+    """against_ledger: d and c within the ledger's CUDA tolerance (phase_tolerance applied to each of the two
+    quantities a drop is made of), and the phase. A measurement that matches holds; a candidate that did not
+    checkpoint (c = 0), a peak off by more than the tolerance, or an update that adds nothing above the backward
+    fails the matching check and only that one."""
+    from trainmech import ledger
+
+    spec = profiles.for_mode("TRAIN-CUDA-MECHANISM").workload("b4s256_gates")
+    predicted = gates.ledger_inputs(spec, "checkpoint", padded=True, residual_dropout=True)
+    t = ledger.device_terms("cuda").phase_tolerance
+    assert predicted.update_tolerance == pytest.approx((1 - predicted.update_drop) * 2 * t / (1 - t))
+    assert predicted.capacity_tolerance < predicted.capacity_gain - gates.RULE.min_peak_drop  # c = 0 fails
+    assert predicted.phase == "optimizer" and predicted.update_over_backward > gates.RULE.no_higher_slack
+    ref = gpu_performance(allocated=10**9, per_row=10**6, forward_backward_allocated_bytes=10**9)
+    peak = round(10**9 * (1 - predicted.update_drop))
+
+    def candidate(peak=peak, fb=None, gain=predicted.capacity_gain):
+        fb = round(peak / (1 + predicted.update_over_backward)) if fb is None else fb
+        return gpu_performance(
+            allocated=peak, per_row=round(10**6 * (1 - gain)), forward_backward_allocated_bytes=fb
+        )
+
+    failed = lambda p: {k for k, (ok, _) in gates.against_ledger(p, ref, predicted).items() if not ok}  # noqa: E731
+    assert failed(candidate()) == set()
+    assert failed(candidate(gain=0.0)) == {"capacity"}
+    off = round(10**9 * (1 - predicted.update_drop - 1.01 * predicted.update_tolerance))
+    assert failed(candidate(peak=off)) == {"update"}
+    assert failed(candidate(fb=peak)) == {"phase"}
+    words = gates.against_ledger(candidate(gain=0.0), ref, predicted)["capacity"][1]
+    assert "over ±" in words and "c measured +0.0%" in words

@@ -26,7 +26,10 @@ __all__ = [
     "timing_spread",
     "RuleInputs",
     "rule_inputs",
+    "drop_tolerance",
     "ledger_inputs",
+    "measured_phase",
+    "against_ledger",
     "decide_measured",
     "decide",
 ]
@@ -91,6 +94,11 @@ class RuleInputs:
     reserved_change: float | None = None  # the reserved peak / the reference's - 1: reported, not judged
     phase: str | None = None  # the ledger's: where the candidate's whole-update peak sits
     shape: str = ""  # the ledger's: the model and one micro-batch, in words
+    update_tolerance: float | None = None  # the ledger's: how far a measured d may lie from its d
+    update_over_backward: float | None = (
+        None  # the ledger's: its whole-update peak / its forward + backward peak - 1
+    )
+    capacity_tolerance: float | None = None  # … and a measured c from its c
 
 
 def rule_inputs(perf: Performance, reference: Performance) -> RuleInputs:
@@ -103,14 +111,35 @@ def rule_inputs(perf: Performance, reference: Performance) -> RuleInputs:
     )
 
 
-def ledger_inputs(spec, strategy: str) -> RuleInputs:
+def drop_tolerance(drop: float, relative: float) -> float:
+    """How far a drop 1 - a/b can move when a and b each move by up to `relative` of themselves: a larger, b
+    smaller gives the widest, (1 - drop)·2·relative/(1 - relative)."""
+    return (1 - drop) * 2 * relative / (1 - relative)
+
+
+def ledger_inputs(
+    spec,
+    strategy: str,
+    *,
+    padded: bool = False,
+    residual_dropout: bool = False,
+    relative: float | None = None,
+) -> RuleInputs:
     """d and c the ledger predicts for `strategy` against the baseline on a CUDA workload `spec`
     (profiles.Workload: model, batch, seq, micro_batches): a steady update with foreach AdamW, one micro-batch
     of it as the second of a window (the gradients already exist); c from the forward + backward peak at 2 and 4 times
-    the micro-batch's rows, per added row, as `performance.remeasure` measures it."""
+    the micro-batch's rows, per added row, as `performance.remeasure` measures it. padded: the batch is
+    right-padded (an attention mask: fp32 runs SDPA's efficient kernel on K and V repeated to every head);
+    residual_dropout: the MLP outputs are dropped out (the gate workload's), whose masks are kept.
+
+    With the phase of the candidate's whole-update peak come the tolerances a measurement is held to
+    (`update_tolerance`, `capacity_tolerance`): each of the two quantities a drop is the ratio of (two peaks for
+    d, two per-row slopes for c) may differ from the ledger by `relative` of itself (default: the ledger's CUDA
+    per-phase tolerance, `ledger.device_terms("cuda").phase_tolerance`), `drop_tolerance` of the drop."""
     from trainmech import ledger  # imported here: the rule itself needs no model shapes
 
     rows = spec.batch // spec.micro_batches[0]
+    relative = ledger.device_terms("cuda").phase_tolerance if relative is None else relative
 
     def book(name: str, batch_rows: int):
         return ledger.scenario_ledger(
@@ -122,6 +151,8 @@ def ledger_inputs(spec, strategy: str) -> RuleInputs:
             device="cuda",
             micro_batches=2,
             micro_batch=2,
+            padded=padded,
+            residual_dropout=residual_dropout,
         )  # micro-batch 2 of 2: the window's gradients already exist
 
     def per_row(name: str) -> float:
@@ -138,12 +169,56 @@ def ledger_inputs(spec, strategy: str) -> RuleInputs:
             f"micro-batch {rows} x {spec.seq} (it sits where no activation is alive, e.g. the tied embedding's "
             "gradient): c is undefined there; choose a workload whose activations set the peak (longer sequences)"
         )
+    update, capacity = 1 - ours.bytes / base.bytes, 1 - per_row(strategy) / base_per_row
     return RuleInputs(
-        1 - ours.bytes / base.bytes,
-        1 - per_row(strategy) / base_per_row,
+        update,
+        capacity,
         phase=ours.phase,
-        shape=f"{spec.model}, micro-batch {rows} x {spec.seq}",
+        shape=f"{spec.model}, micro-batch {rows} x {spec.seq}" + (", right-padded" if padded else ""),
+        update_over_backward=ours.bytes / book(strategy, rows).forward_backward_peak().bytes - 1,
+        update_tolerance=drop_tolerance(update, relative),
+        capacity_tolerance=drop_tolerance(capacity, relative),
     )
+
+
+def measured_phase(perf: Performance, slack: float) -> str:
+    """Where a measured whole update peaks, from its two allocator peaks: "optimizer" where the whole update's
+    exceeds the forward + backward's by more than `slack` of it, else "backward" (the update adds nothing above
+    the backward's peak)."""
+    higher = perf.peak_allocated_bytes > (1 + slack) * perf.forward_backward_allocated_bytes
+    return "optimizer" if higher else "backward"
+
+
+def against_ledger(
+    perf: Performance, reference: Performance, predicted: RuleInputs, slack: float | None = None
+) -> dict[str, tuple[bool, str]]:
+    """A GPU measurement of a candidate beside the reference held to the ledger's prediction for the same workload
+    (`ledger_inputs`): {"update": d, "capacity": c, "phase": where the whole update peaks}, each (holds, in words).
+    d and c within the prediction's tolerances; the phase (`measured_phase`, above `slack`, default the rule's
+    no_higher_slack) is "optimizer" where the ledger's whole-update peak lies above its forward + backward peak
+    by more than that slack, else "backward"."""
+    slack = RULE.no_higher_slack if slack is None else slack
+    measured = rule_inputs(perf, reference)
+    out = {}
+    for key, name, ours, theirs, tolerance in (
+        ("update", "d", measured.update_drop, predicted.update_drop, predicted.update_tolerance),
+        ("capacity", "c", measured.capacity_gain, predicted.capacity_gain, predicted.capacity_tolerance),
+    ):
+        holds = abs(ours - theirs) <= tolerance
+        out[key] = (
+            holds,
+            f"{name} measured {ours:+.1%}, the ledger {theirs:+.1%}: "
+            + (f"within ±{tolerance:.1%}" if holds else f"{ours - theirs:+.1%} apart, over ±{tolerance:.1%}"),
+        )
+    expected = "optimizer" if predicted.update_over_backward > slack else "backward"
+    seen = measured_phase(perf, slack)
+    out["phase"] = (
+        seen == expected,
+        f"the whole update peaks in the {seen} (allocated {perf.peak_allocated_bytes:,} B, forward + backward "
+        f"{perf.forward_backward_allocated_bytes:,} B); the ledger: {predicted.phase}, "
+        f"{predicted.update_over_backward:+.1%} above its forward + backward peak, so {expected}",
+    )
+    return out
 
 
 def decide_measured(
