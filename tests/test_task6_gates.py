@@ -890,9 +890,9 @@ def test_updates_gate_checks_every_clock(change, fragment):
 @pytest.mark.parametrize(
     "update_drop, capacity, ratio, outcome",
     [
-        (0.10, 0.0, 1.25, "accept"),  # both limits met exactly
-        (0.0999, 0.0, 1.25, "no-gain"),  # the peak falls a little less than required, the step no faster
-        (0.10, 0.0, 1.2501, "tune"),  # the step takes a little more than allowed
+        (0.10, 0.0, 1.30, "accept"),  # both limits met exactly
+        (0.0999, 0.0, 1.30, "no-gain"),  # the peak falls a little less than required, the step no faster
+        (0.10, 0.0, 1.3001, "tune"),  # the step takes a little more than allowed
         (
             0.0,
             0.81,
@@ -1218,3 +1218,18 @@ def test_a_gpu_measurement_is_held_to_the_ledger_within_tolerances_that_can_fail
     assert failed(candidate(fb=peak)) == {"phase"}
     words = gates.against_ledger(candidate(gain=0.0), ref, predicted)["capacity"][1]
     assert "over ±" in words and "c measured +0.0%" in words
+
+
+def test_max_time_ratio_is_the_gpu_models_recompute_prediction_plus_a_quarter_of_its_cost(tiny_profile_model):
+    """recompute_ratio counts the decoder layers' parameters against the model's (a tied head once): Qwen2.5-0.5B's
+    1 + 2·357.9M/(6·494.0M) ≈ 1.24; max_time_ratio is that plus a quarter of its cost (RECOMPUTE_HEADROOM)."""
+    gpu = gates.recompute_ratio("qwen2.5-0.5b")
+    assert gpu == pytest.approx(1 + 2 * 357_897_216 / (6 * 494_032_768))
+    assert round(1 + (1 + gates.RECOMPUTE_HEADROOM) * (gpu - 1), 2) == gates.RULE.max_time_ratio
+    tiny = tiny_profile_model(seed=0).model
+    n = sum(p.numel() for p in tiny.parameters())
+    layers = sum(p.numel() for layer in tiny.model.layers for p in layer.parameters())
+    assert (
+        gates.recompute_ratio(tiny) == pytest.approx(1 + layers / (3 * n))
+        and 1 < gates.recompute_ratio(tiny) < 4 / 3
+    )

@@ -23,6 +23,8 @@ __all__ = [
     "RECORD_DECISION",
     "DecisionRule",
     "RULE",
+    "RECOMPUTE_HEADROOM",
+    "recompute_ratio",
     "timing_spread",
     "RuleInputs",
     "rule_inputs",
@@ -49,14 +51,16 @@ class DecisionRule:
     """Written down before any GPU measurement, not fitted to the registry's figures.
 
     min_peak_drop: a memory gain counts from a tenth on: a tenth less per sequence is the least that adds a
-    sequence to a micro-batch of ten. max_time_ratio: a memory strategy may cost up to a quarter more time per
-    update. A step costs about 6·N·T FLOPs (N parameters, T tokens: 2·N·T forward, 4·N·T backward); full
-    recomputation replays the forward, 2·N·T more, x1.33 when compute-bound — but a step is never all matmul
-    (attention, norms, the optimizer and copies are not replayed in proportion), so a well-made checkpoint stays
-    below that; x1.25 leaves the last twelfth of it to a slow one. min_speedup: a speed gain counts from a tenth
-    of the median on — or from the reference's own timing spread, where that is wider (`timing_spread`: its
-    P95 over its median, - 1, from the same interleaved rounds): a speedup the reference's repeated timings
-    show among themselves is noise, not a gain.
+    sequence to a micro-batch of ten. max_time_ratio: what full activation checkpointing is predicted to cost
+    (`recompute_ratio`) plus a quarter of it. A step costs about 6·N·T FLOPs (N parameters, T tokens: 2·N·T
+    forward, 4·N·T backward). Full-layer recomputation replays each decoder layer's forward, attention and norms
+    included, but not the embedding, the final norm, the head, the loss or the optimizer: 2·N_layers·T more, a ratio
+    of 1 + 2·N_layers/(6·N) when compute-bound (N_layers: the decoder layers' parameters). For Qwen2.5-0.5B, whose
+    tied head holds a quarter of N, that is x1.24; a quarter of that cost again, x1.30, is left for what a replay
+    costs beyond its FLOPs (its memory-bound ops and launches, transformers' switch turned on and off around each
+    micro-batch). A checkpoint slower than that is worth tuning. min_speedup: a speed gain counts from a tenth
+    of the median on — or from the reference's own timing spread, where that is wider (`timing_spread`): a
+    speedup the reference's repeated timings show among themselves is noise, not a gain.
 
     The whole update's peak is judged on the allocated bytes, what the update's tensors hold; the reserved peak
     is reported beside it, not judged: after `empty_cache`, two allocation patterns fragment the caching
@@ -69,12 +73,32 @@ class DecisionRule:
     """
 
     min_peak_drop: float = 0.10
-    max_time_ratio: float = 1.25
+    max_time_ratio: float = 1.30
     min_speedup: float = 0.10
     no_higher_slack: float = 0.01
 
 
 RULE = DecisionRule()
+RECOMPUTE_HEADROOM = 0.25  # max_time_ratio - 1 over the GPU model's recompute_ratio - 1, rounded to 0.01
+
+
+def recompute_ratio(model) -> float:
+    """1 + 2·N_layers/(6·N): the step time full-layer recomputation predicts, compute-bound, against none. N: the
+    model's parameters (a tied head counted once), N_layers: its decoder layers' (`model.model.layers`). `model`:
+    a Qwen2ForCausalLM, or the name of a TRAIN-CUDA-MECHANISM profile model (built on the meta device: no memory)."""
+    if isinstance(model, str):
+        import torch
+        from transformers import Qwen2ForCausalLM
+
+        from trainmech import profiles, workload
+
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(
+                workload.qwen2_config(profiles.for_mode("TRAIN-CUDA-MECHANISM").model(model))
+            )
+    total = sum(p.numel() for p in model.parameters())
+    layers = sum(p.numel() for p in model.model.layers.parameters())
+    return 1 + 2 * layers / (6 * total)
 
 
 def timing_spread(reference: Performance) -> float:
