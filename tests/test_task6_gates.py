@@ -1233,3 +1233,36 @@ def test_max_time_ratio_is_the_gpu_models_recompute_prediction_plus_a_quarter_of
         gates.recompute_ratio(tiny) == pytest.approx(1 + layers / (3 * n))
         and 1 < gates.recompute_ratio(tiny) < 4 / 3
     )
+
+
+def test_checkpointing_kept_on_switches_transformers_checkpointing_once_outside_the_micro_batches(gw):
+    """remeasure times a checkpoint candidate with the switch already on (checkpointing_kept_on), so turning it on
+    and off around each micro-batch is not in the timed update: inside, the candidate's micro-batches leave it on
+    and still replay each layer (its MLP twice); the gradients are bitwise those of the per-micro-batch switch."""
+    from contextlib import nullcontext
+
+    model, n = gw.model, gw.model.config.num_hidden_layers
+    probe = candidates.candidate("probe", "TRAIN-CHECKPOINT", candidates.activation_checkpointing)
+    switched = []
+
+    def grads(kept: bool):
+        with gw.running(), checkpointing.count_calls([layer.mlp for layer in model.model.layers]) as mlps:
+            state = gw.fresh_state(probe)
+            try:
+                context = candidates.checkpointing_kept_on(probe, model) if kept else nullcontext()
+                with context:
+                    torch.manual_seed(0)  # the same dropout masks in both runs
+                    probe.backward(state, gw.windows[0])
+                    switched.append(model.model.layers[0].gradient_checkpointing)
+                return {k: p.grad.clone() for k, p in model.named_parameters()}, dict(mlps)
+            finally:
+                state.close()
+                model.zero_grad(set_to_none=True)
+
+    (plain, plain_calls), (kept, kept_calls) = grads(False), grads(True)
+    assert switched == [False, True] and not model.model.layers[0].gradient_checkpointing
+    assert plain_calls == kept_calls == dict.fromkeys(range(n), 2 * 2)  # two micro-batches, each replayed
+    assert all(torch.equal(plain[k], kept[k]) for k in plain)
+    fp32 = candidates.candidate("fp32", "TRAIN-AMP-BACKWARD")
+    with candidates.checkpointing_kept_on(fp32, model):
+        assert not model.model.layers[0].gradient_checkpointing

@@ -50,6 +50,7 @@ __all__ = [
     "Candidate",
     "candidate",
     "activation_checkpointing",
+    "checkpointing_kept_on",
     "Offloading",
     "residual_dropout",
     "GateWorkload",
@@ -164,9 +165,36 @@ def candidate(name: str, semantic_id: str, *contexts, dtype: str = "float32", **
 # ----------------------------------------------------------------------------- strategy contexts
 
 
-def activation_checkpointing(model: torch.nn.Module, **checkpoint_kwargs):
-    """transformers' own activation checkpointing (checkpointing.hf_checkpointing) around one micro-batch."""
-    return checkpointing.hf_checkpointing(model, **checkpoint_kwargs)
+@contextmanager
+def activation_checkpointing(model: torch.nn.Module, **checkpoint_kwargs) -> Iterator[None]:
+    """transformers' own activation checkpointing (checkpointing.hf_checkpointing) around one micro-batch; left as
+    it is where `checkpointing_kept_on` already turned it on with the same arguments (a timed update)."""
+    if getattr(model, "_kept_checkpointing", None) == checkpoint_kwargs:
+        yield
+        return
+    with checkpointing.hf_checkpointing(model, **checkpoint_kwargs):
+        yield
+
+
+@contextmanager
+def checkpointing_kept_on(candidate: Candidate, model: torch.nn.Module) -> Iterator[None]:
+    """transformers' checkpointing turned on once for all of a candidate's micro-batches inside (for each of its
+    strategies that is `activation_checkpointing`), so that switching it on and off around each micro-batch stays
+    outside a timed update (`performance.remeasure`); nothing for a candidate without it."""
+    kept = [
+        getattr(s, "keywords", {})
+        for s in candidate.strategies
+        if getattr(s, "func", s) is activation_checkpointing
+    ]
+    if not kept:
+        yield
+        return
+    with checkpointing.hf_checkpointing(model, **kept[0]):
+        model._kept_checkpointing = kept[0]
+        try:
+            yield
+        finally:
+            del model._kept_checkpointing
 
 
 class Offloading:
