@@ -77,6 +77,9 @@ class Performance:
     transfer_time_s: float | None  # offload, CUDA: copy time per update, both directions (median)
     warmup: int
     repeats: int
+    # the timed updates' seconds, round by round (None: not kept); round i of the candidate and of the reference
+    # ran side by side, so their ratio is paired (`decision.round_ratios`)
+    step_times_s: tuple[float, ...] | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -285,6 +288,7 @@ def remeasure(
                 transfer_time_s=transfer,
                 warmup=warmup,
                 repeats=repeats,
+                step_times_s=tuple(seconds[id(c)]),
             )
         )
     return out[0], out[1]
