@@ -1282,3 +1282,60 @@ def test_checkpointing_kept_on_switches_transformers_checkpointing_once_outside_
     fp32 = candidates.candidate("fp32", "TRAIN-AMP-BACKWARD")
     with candidates.checkpointing_kept_on(fp32, model):
         assert not model.model.layers[0].gradient_checkpointing
+
+
+# The decision rule as a table, written from DecisionRule's and decide_measured's docstrings, not from their code:
+# (a peak higher than the slack allows, a memory gain, within the time budget, faster) -> outcome. "faster" lies
+# within the time budget, so the four rows with faster and not within it cannot occur.
+RULE_TABLE = {
+    # higher  gain   in time faster
+    (False, True, True, False): "accept",  # smaller at an affordable cost
+    (False, True, True, True): "accept",
+    (False, False, True, True): "accept",  # faster, no higher
+    (False, True, False, False): "tune",  # smaller, but too slow
+    (False, False, True, False): "no-gain",
+    (False, False, False, False): "no-gain",
+    (True, True, True, False): "tune",  # a gain, but the whole update peaks higher
+    (True, True, True, True): "tune",
+    (True, False, True, True): "tune",
+    (True, True, False, False): "tune",
+    (True, False, True, False): "costs-memory",
+    (True, False, False, False): "costs-memory",
+}
+
+
+def test_the_rule_table_by_hand_agrees_with_decide_on_performance_records_at_every_row(gpu_performance):
+    """Performance records reaching every row of RULE_TABLE, each condition read off the raw numbers by hand (peaks
+    scaled, not ratios; the time from the rounds, its noise from a candidate whose rounds scatter): decide agrees
+    on every one. This ran on a GPU only inside gpu-check (C8); the rule needs no GPU to be checked."""
+    import itertools
+    import statistics
+
+    rule, passed = gates.RULE, [gates.Verdict("gradients", True, {}, "")]
+    ref = gpu_performance(1.0, allocated=1000, per_row=100, step_times_s=(1.0,) * 7)
+    scatter = (1.0, 0.6, 1.4, 1.0, 1.4, 0.6, 1.0)  # the candidate's rounds spread around its median
+    rows = set()
+    for allocated, reserved, per_row, median, spread in itertools.product(
+        (1000, 1005, 850, 1030), (None, 1030), (100, 85), (1.0, 0.8, 1.2, 1.5), (False, True)
+    ):
+        times = tuple(median * s for s in scatter) if spread else (median,) * 7
+        p = gpu_performance(
+            median,
+            allocated=allocated,
+            per_row=per_row,
+            peak_reserved_bytes=allocated if reserved is None else reserved,
+            step_times_s=times,
+        )
+        ratios = [a / b for a, b in zip(times, ref.step_times_s, strict=True)]
+        noise = gates.timing_spread(p, ref)
+        assert (noise > rule.min_speedup) == spread
+        case = (
+            max(p.peak_allocated_bytes, p.peak_reserved_bytes) > 1000 * (1 + rule.no_higher_slack),
+            p.peak_allocated_bytes <= 1000 * (1 - rule.min_peak_drop)
+            or p.bytes_per_row <= 100 * (1 - rule.min_peak_drop),
+            statistics.median(ratios) <= rule.max_time_ratio,
+            statistics.median(ratios) <= 1 - max(rule.min_speedup, noise),
+        )
+        assert RULE_TABLE.get(case) == gates.decide(passed, p, ref)[0], case
+        rows.add(case)
+    assert rows == set(RULE_TABLE)  # every row reached, and no case without one
