@@ -1339,3 +1339,29 @@ def test_the_rule_table_by_hand_agrees_with_decide_on_performance_records_at_eve
         assert RULE_TABLE.get(case) == gates.decide(passed, p, ref)[0], case
         rows.add(case)
     assert rows == set(RULE_TABLE)  # every row reached, and no case without one
+
+
+def test_the_fp16_range_check_passes_the_cpu_model_and_names_bfloat16_where_a_linear_overflows(gw):
+    """fp16_range watches every nn.Linear under float16 autocast (CPU autocast runs float16 too). The tiny
+    random-init model stays far inside 65504; the same windows with one projection's weights scaled up overflow it,
+    and the message names the projection and the remedy. The pretrained Qwen2.5 weights are not here (offline):
+    the GPU run prints the same check before its gates."""
+    from trainmech import fp16_range
+
+    found = fp16_range.fp16_range(gw)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in gw.model.modules())
+    assert found.fits and found.linears == linears and 0 < found.largest < fp16_range.FP16_MAX
+    assert f"every one of {linears} nn.Linear outputs stays finite" in found.message()
+    rng = torch.get_rng_state()
+    name = "model.layers.0.mlp.down_proj"
+    hot = dataclasses.replace(
+        gw, initial={**gw.initial, f"{name}.weight": gw.initial[f"{name}.weight"] * 1e6}
+    )
+    try:
+        blown = fp16_range.fp16_range(hot)
+    finally:
+        gw.model.load_state_dict(gw.initial)
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG left as it was
+    assert (
+        not blown.fits and blown.module == name and "bfloat16" in blown.message() and name in blown.message()
+    )
