@@ -50,6 +50,7 @@ __all__ = [
     "Candidate",
     "candidate",
     "activation_checkpointing",
+    "checkpointing_kept_on",
     "Offloading",
     "residual_dropout",
     "GateWorkload",
@@ -57,6 +58,7 @@ __all__ = [
     "fixed_batch_workload",
     "calibrated_scale",
     "window_transfers",
+    "hook_calls",
 ]
 
 MAX_SCALE_HALVINGS = 40  # FP16 loss-scale calibration gives up below 2**16 / 2**40
@@ -163,9 +165,36 @@ def candidate(name: str, semantic_id: str, *contexts, dtype: str = "float32", **
 # ----------------------------------------------------------------------------- strategy contexts
 
 
-def activation_checkpointing(model: torch.nn.Module, **checkpoint_kwargs):
-    """transformers' own activation checkpointing (checkpointing.hf_checkpointing) around one micro-batch."""
-    return checkpointing.hf_checkpointing(model, **checkpoint_kwargs)
+@contextmanager
+def activation_checkpointing(model: torch.nn.Module, **checkpoint_kwargs) -> Iterator[None]:
+    """transformers' own activation checkpointing (checkpointing.hf_checkpointing) around one micro-batch; left as
+    it is where `checkpointing_kept_on` already turned it on with the same arguments (a timed update)."""
+    if getattr(model, "_kept_checkpointing", None) == checkpoint_kwargs:
+        yield
+        return
+    with checkpointing.hf_checkpointing(model, **checkpoint_kwargs):
+        yield
+
+
+@contextmanager
+def checkpointing_kept_on(candidate: Candidate, model: torch.nn.Module) -> Iterator[None]:
+    """transformers' checkpointing turned on once for all of a candidate's micro-batches inside (for each of its
+    strategies that is `activation_checkpointing`), so that switching it on and off around each micro-batch stays
+    outside a timed update (`performance.remeasure`); nothing for a candidate without it."""
+    kept = [
+        getattr(s, "keywords", {})
+        for s in candidate.strategies
+        if getattr(s, "func", s) is activation_checkpointing
+    ]
+    if not kept:
+        yield
+        return
+    with checkpointing.hf_checkpointing(model, **kept[0]):
+        model._kept_checkpointing = kept[0]
+        try:
+            yield
+        finally:
+            del model._kept_checkpointing
 
 
 class Offloading:
@@ -430,3 +459,24 @@ def window_transfers(workload: GateWorkload, offloading: Offloading, *contexts) 
             state.close()
             workload.model.zero_grad(set_to_none=True)
     return offloading.collect()
+
+
+def hook_calls(workload: GateWorkload, *contexts) -> tuple[dict[int, int], dict[int, int]]:
+    """A probe, no update: one forward + backward of the first micro-batch of the workload's first window from the
+    initial weights inside `contexts` (a checkpointing); how often each decoder layer's forward pre-hooks ran, and
+    each layer's MLP's, by layer index. A checkpoint that replays the layer calls its MLP again; a pre-hook of the
+    layer itself runs again only if the checkpoint wraps the layer's __call__, not its forward."""
+    model = workload.model
+    probe = candidate("probe", "TRAIN-CHECKPOINT", *contexts)
+    with (
+        workload.running(),
+        checkpointing.count_calls(model.model.layers) as layers,
+        checkpointing.count_calls([layer.mlp for layer in model.model.layers]) as mlps,
+    ):
+        state = workload.fresh_state(probe)
+        try:
+            probe.backward(state, MicroBatches(workload.windows[0][:1]))
+        finally:
+            state.close()
+            model.zero_grad(set_to_none=True)
+    return dict(sorted(layers.items())), dict(sorted(mlps.items()))

@@ -11,6 +11,8 @@ and the whole update's allocated peak higher). `RULE` holds the thresholds and `
 
 from __future__ import annotations
 
+import random
+import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,10 +25,19 @@ __all__ = [
     "RECORD_DECISION",
     "DecisionRule",
     "RULE",
+    "RECOMPUTE_HEADROOM",
+    "recompute_ratio",
+    "TIMING_INTERVAL",
+    "BOOTSTRAP_RESAMPLES",
+    "round_ratios",
+    "timing_interval",
     "timing_spread",
     "RuleInputs",
     "rule_inputs",
+    "drop_tolerance",
     "ledger_inputs",
+    "measured_phase",
+    "against_ledger",
     "decide_measured",
     "decide",
 ]
@@ -46,38 +57,97 @@ class DecisionRule:
     """Written down before any GPU measurement, not fitted to the registry's figures.
 
     min_peak_drop: a memory gain counts from a tenth on: a tenth less per sequence is the least that adds a
-    sequence to a micro-batch of ten. max_time_ratio: a memory strategy may cost up to a quarter more time per
-    update. A step costs about 6·N·T FLOPs (N parameters, T tokens: 2·N·T forward, 4·N·T backward); full
-    recomputation replays the forward, 2·N·T more, x1.33 when compute-bound — but a step is never all matmul
-    (attention, norms, the optimizer and copies are not replayed in proportion), so a well-made checkpoint stays
-    below that; x1.25 leaves the last twelfth of it to a slow one. min_speedup: a speed gain counts from a tenth
-    of the median on — or from the reference's own timing spread, where that is wider (`timing_spread`: its
-    P95 over its median, - 1, from the same interleaved rounds): a speedup the reference's repeated timings
-    show among themselves is noise, not a gain.
+    sequence to a micro-batch of ten. max_time_ratio: what full activation checkpointing is predicted to cost
+    (`recompute_ratio`) plus a quarter of it. A step costs about 6·N·T FLOPs (N parameters, T tokens: 2·N·T
+    forward, 4·N·T backward). Full-layer recomputation replays each decoder layer's forward, attention and norms
+    included, but not the embedding, the final norm, the head, the loss or the optimizer: 2·N_layers·T more, a ratio
+    of 1 + 2·N_layers/(6·N) when compute-bound (N_layers: the decoder layers' parameters). For Qwen2.5-0.5B, whose
+    tied head holds a quarter of N, that is x1.24; a quarter of that cost again, x1.30, is left for what a replay
+    costs beyond its FLOPs (its memory-bound ops, its kernel launches). A checkpoint slower than that is worth tuning. min_speedup: a speed gain counts from a tenth
+    of the time on — or from the uncertainty of the measured time ratio, where that is wider (`timing_spread`:
+    half the width of the bootstrap interval of the median per-round ratio): a speedup within it is not told
+    apart from no change.
 
-    The whole update's peak is judged on the allocated bytes, what the update's tensors hold; the reserved peak
-    is reported beside it, not judged: after `empty_cache`, two allocation patterns fragment the caching
-    allocator's segments differently (hundreds of MiB on a GPU-sized update), a property of the allocator's
-    state rather than of the candidate's tensors. no_higher_slack: how far the allocated peak may rise above the
-    reference's and still count as no higher, as a fraction of the reference's: a hundredth — a tenth of
+    The whole update's peak is higher where either its allocated or its reserved bytes rose: each is measured
+    after `empty_cache` and a reset, so the reserved peak is a deterministic function of the candidate's own
+    allocation sequence (its fragmentation included), a property of the candidate; and an OOM is the allocator
+    failing to reserve a new segment, so a candidate whose reserved peak is higher runs out first even where its
+    tensors hold less. The memory gain d stays on the allocated bytes, and c on the allocated slope.
+    no_higher_slack: how far either peak may rise above the reference's and still count as no higher, as a
+    fraction of the reference's: a hundredth — a tenth of
     min_peak_drop, so it cannot hide a rise the rule would count as a gain, and above what the allocator's
     block rounding typically adds (a request rounds up to 512 B, and a cached block is handed out unsplit when
     no more than 1 MiB would remain, so a block may hold up to 1 MiB it did not ask for).
     """
 
     min_peak_drop: float = 0.10
-    max_time_ratio: float = 1.25
+    max_time_ratio: float = 1.30
     min_speedup: float = 0.10
     no_higher_slack: float = 0.01
 
 
 RULE = DecisionRule()
+RECOMPUTE_HEADROOM = 0.25  # max_time_ratio - 1 over the GPU model's recompute_ratio - 1, rounded to 0.01
 
 
-def timing_spread(reference: Performance) -> float:
-    """The reference's own timing noise: its P95 step time over its median, - 1 (0 where they are equal), from the
-    rounds timed beside the candidate. A speedup no larger than this is what the reference shows against itself."""
-    return max(reference.step_time_p95_s / reference.step_time_median_s - 1, 0.0)
+def recompute_ratio(model) -> float:
+    """1 + 2·N_layers/(6·N): the step time full-layer recomputation predicts, compute-bound, against none. N: the
+    model's parameters (a tied head counted once), N_layers: its decoder layers' (`model.model.layers`). `model`:
+    a Qwen2ForCausalLM, or the name of a TRAIN-CUDA-MECHANISM profile model (built on the meta device: no memory)."""
+    if isinstance(model, str):
+        import torch
+        from transformers import Qwen2ForCausalLM
+
+        from trainmech import profiles, workload
+
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(
+                workload.qwen2_config(profiles.for_mode("TRAIN-CUDA-MECHANISM").model(model))
+            )
+    total = sum(p.numel() for p in model.parameters())
+    layers = sum(p.numel() for p in model.model.layers.parameters())
+    return 1 + 2 * layers / (6 * total)
+
+
+TIMING_INTERVAL = 0.90  # the coverage of the bootstrap interval of the median per-round time ratio
+BOOTSTRAP_RESAMPLES = (
+    2000  # resamples of the rounds, from a fixed seed: the same rounds give the same interval
+)
+
+
+def round_ratios(perf: Performance, reference: Performance) -> list[float]:
+    """The candidate's time over the reference's, round by round (`performance.remeasure` times them in the same
+    rounds, ABBA): a slow stretch of the machine hits both sides of a round, so it cancels in the ratio."""
+    ours, theirs = perf.step_times_s, reference.step_times_s
+    if not ours or not theirs or len(ours) != len(theirs):
+        raise ValueError(
+            "the paired time ratio needs the step times of the same rounds for both (Performance.step_times_s), "
+            f"got {len(ours or ())} and {len(theirs or ())}"
+        )
+    return [a / b for a, b in zip(ours, theirs, strict=True)]
+
+
+def timing_interval(perf: Performance, reference: Performance) -> tuple[float, float, float]:
+    """(low, median, high): the median per-round ratio (`round_ratios`) and its TIMING_INTERVAL bootstrap interval
+    (the rounds resampled with replacement BOOTSTRAP_RESAMPLES times from seed 0, the median of each)."""
+    ratios = round_ratios(perf, reference)
+    draw = random.Random(0)
+    medians = sorted(
+        statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP_RESAMPLES)
+    )
+    tail = (1 - TIMING_INTERVAL) / 2
+    return (
+        medians[int(tail * BOOTSTRAP_RESAMPLES)],
+        statistics.median(ratios),
+        medians[int((1 - tail) * BOOTSTRAP_RESAMPLES) - 1],
+    )
+
+
+def timing_spread(perf: Performance, reference: Performance) -> float:
+    """How uncertain the measured time ratio is: half the width of its bootstrap interval (`timing_interval`). A
+    speedup no larger than this is not told apart from no change."""
+    low, _, high = timing_interval(perf, reference)
+    return (high - low) / 2
 
 
 @dataclass(frozen=True)
@@ -87,30 +157,61 @@ class RuleInputs:
 
     update_drop: float  # d: 1 - the whole update's allocated peak / the reference's
     capacity_gain: float  # c: 1 - the bytes one more sequence adds / the reference's
-    time_ratio: float | None = None  # r: median update / the reference's
-    reserved_change: float | None = None  # the reserved peak / the reference's - 1: reported, not judged
+    time_ratio: float | None = None  # r: the median per-round time ratio (`round_ratios`)
+    reserved_change: float | None = (
+        None  # the reserved peak / the reference's - 1: a rise of either is a rise
+    )
     phase: str | None = None  # the ledger's: where the candidate's whole-update peak sits
     shape: str = ""  # the ledger's: the model and one micro-batch, in words
+    update_tolerance: float | None = None  # the ledger's: how far a measured d may lie from its d
+    update_over_backward: float | None = (
+        None  # the ledger's: its whole-update peak / its forward + backward peak - 1
+    )
+    capacity_tolerance: float | None = None  # … and a measured c from its c
 
 
 def rule_inputs(perf: Performance, reference: Performance) -> RuleInputs:
-    """d, c, r (and the reserved peak's change) of a candidate measured on a GPU beside the reference."""
+    """d, c, r (and the reserved peak's change) of a candidate measured on a GPU beside the reference; r is the
+    median of the per-round ratios (`round_ratios`)."""
     return RuleInputs(
         1 - perf.peak_allocated_bytes / reference.peak_allocated_bytes,
         1 - perf.bytes_per_row / reference.bytes_per_row,
-        perf.step_time_median_s / reference.step_time_median_s,
+        statistics.median(round_ratios(perf, reference)),
         perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1,
     )
 
 
-def ledger_inputs(spec, strategy: str) -> RuleInputs:
+def drop_tolerance(drop: float, relative: float) -> float:
+    """How far a drop 1 - a/b can move when a and b each move by up to `relative` of themselves: a larger, b
+    smaller gives the widest, (1 - drop)·2·relative/(1 - relative)."""
+    return (1 - drop) * 2 * relative / (1 - relative)
+
+
+def ledger_inputs(
+    spec,
+    strategy: str,
+    *,
+    padded: bool = False,
+    residual_dropout: bool = False,
+    relative: float | None = None,
+) -> RuleInputs:
     """d and c the ledger predicts for `strategy` against the baseline on a CUDA workload `spec`
     (profiles.Workload: model, batch, seq, micro_batches): a steady update with foreach AdamW, one micro-batch
     of it as the second of a window (the gradients already exist); c from the forward + backward peak at 2 and 4 times
-    the micro-batch's rows, per added row, as `performance.remeasure` measures it."""
+    the micro-batch's rows, per added row, as `performance.remeasure` measures it. padded: the batch is
+    right-padded (an attention mask: fp32 runs SDPA's efficient kernel on K and V repeated to every head);
+    residual_dropout: the MLP outputs are dropped out (the gate workload's), whose masks are kept.
+
+    With the phase of the candidate's whole-update peak come the tolerances a measurement is held to
+    (`update_tolerance`, `capacity_tolerance`): each of the two quantities a drop is the ratio of (two peaks for
+    d, two per-row slopes for c) may differ from the ledger by `relative` of itself (default: the ledger's CUDA
+    tolerance for the allocator model against the allocator's measured allocated peak,
+    `ledger.device_terms("cuda").allocator_model_tolerance`: d and c are measured on allocated peaks), `drop_tolerance`
+    of the drop."""
     from trainmech import ledger  # imported here: the rule itself needs no model shapes
 
     rows = spec.batch // spec.micro_batches[0]
+    relative = ledger.device_terms("cuda").allocator_model_tolerance if relative is None else relative
 
     def book(name: str, batch_rows: int):
         return ledger.scenario_ledger(
@@ -122,6 +223,8 @@ def ledger_inputs(spec, strategy: str) -> RuleInputs:
             device="cuda",
             micro_batches=2,
             micro_batch=2,
+            padded=padded,
+            residual_dropout=residual_dropout,
         )  # micro-batch 2 of 2: the window's gradients already exist
 
     def per_row(name: str) -> float:
@@ -138,12 +241,56 @@ def ledger_inputs(spec, strategy: str) -> RuleInputs:
             f"micro-batch {rows} x {spec.seq} (it sits where no activation is alive, e.g. the tied embedding's "
             "gradient): c is undefined there; choose a workload whose activations set the peak (longer sequences)"
         )
+    update, capacity = 1 - ours.bytes / base.bytes, 1 - per_row(strategy) / base_per_row
     return RuleInputs(
-        1 - ours.bytes / base.bytes,
-        1 - per_row(strategy) / base_per_row,
+        update,
+        capacity,
         phase=ours.phase,
-        shape=f"{spec.model}, micro-batch {rows} x {spec.seq}",
+        shape=f"{spec.model}, micro-batch {rows} x {spec.seq}" + (", right-padded" if padded else ""),
+        update_over_backward=ours.bytes / book(strategy, rows).forward_backward_peak().bytes - 1,
+        update_tolerance=drop_tolerance(update, relative),
+        capacity_tolerance=drop_tolerance(capacity, relative),
     )
+
+
+def measured_phase(perf: Performance, slack: float) -> str:
+    """Where a measured whole update peaks, from its two allocator peaks: "optimizer" where the whole update's
+    exceeds the forward + backward's by more than `slack` of it, else "backward" (the update adds nothing above
+    the backward's peak)."""
+    higher = perf.peak_allocated_bytes > (1 + slack) * perf.forward_backward_allocated_bytes
+    return "optimizer" if higher else "backward"
+
+
+def against_ledger(
+    perf: Performance, reference: Performance, predicted: RuleInputs, slack: float | None = None
+) -> dict[str, tuple[bool, str]]:
+    """A GPU measurement of a candidate beside the reference held to the ledger's prediction for the same workload
+    (`ledger_inputs`): {"update": d, "capacity": c, "phase": where the whole update peaks}, each (holds, in words).
+    d and c within the prediction's tolerances; the phase (`measured_phase`, above `slack`, default the rule's
+    no_higher_slack) is "optimizer" where the ledger's whole-update peak lies above its forward + backward peak
+    by more than that slack, else "backward"."""
+    slack = RULE.no_higher_slack if slack is None else slack
+    measured = rule_inputs(perf, reference)
+    out = {}
+    for key, name, ours, theirs, tolerance in (
+        ("update", "d", measured.update_drop, predicted.update_drop, predicted.update_tolerance),
+        ("capacity", "c", measured.capacity_gain, predicted.capacity_gain, predicted.capacity_tolerance),
+    ):
+        holds = abs(ours - theirs) <= tolerance
+        out[key] = (
+            holds,
+            f"{name} measured {ours:+.1%}, the ledger {theirs:+.1%}: "
+            + (f"within ±{tolerance:.1%}" if holds else f"{ours - theirs:+.1%} apart, over ±{tolerance:.1%}"),
+        )
+    expected = "optimizer" if predicted.update_over_backward > slack else "backward"
+    seen = measured_phase(perf, slack)
+    out["phase"] = (
+        seen == expected,
+        f"the whole update peaks in the {seen} (allocated {perf.peak_allocated_bytes:,} B, forward + backward "
+        f"{perf.forward_backward_allocated_bytes:,} B); the ledger: {predicted.phase}, "
+        f"{predicted.update_over_backward:+.1%} above its forward + backward peak, so {expected}",
+    )
+    return out
 
 
 def decide_measured(
@@ -152,6 +299,7 @@ def decide_measured(
     time_ratio: float,
     rule: DecisionRule = RULE,
     time_noise: float = 0.0,
+    reserved_change: float | None = None,
 ) -> str:
     """accept / tune / no-gain / costs-memory from GPU measurements of a correct candidate.
 
@@ -159,13 +307,15 @@ def decide_measured(
     workload fits. capacity_gain = 1 - what one more sequence adds to the forward + backward peak of a
     micro-batch accumulating into a window's gradients / the reference's (`performance.Performance.bytes_per_row`):
     what the largest micro-batch that fits hinges on, even where the optimizer step peaks as high as before.
-    time_ratio = median update / the reference's. time_noise: the reference's timing spread (`timing_spread`); a
-    speedup counts from max(min_speedup, time_noise) on.
-    accept: no higher peak (update_drop ≥ -rule.no_higher_slack), and a memory gain (either ≥ min_peak_drop) at
+    time_ratio = the median per-round time ratio. time_noise: its uncertainty (`timing_spread`); a speedup counts
+    from max(min_speedup, time_noise) on. reserved_change = the whole update's reserved peak / the reference's - 1:
+    the peak is higher where either the allocated or the reserved one rose past no_higher_slack (an OOM is a
+    failed request for a new segment, so the reserved bytes are what runs out).
+    accept: no higher peak (update_drop ≥ -rule.no_higher_slack, reserved_change ≤ it), and a memory gain (either ≥ min_peak_drop) at
     ≤ max_time_ratio, or faster. tune: a gain that costs too much (time, or a higher whole-update peak).
     costs-memory: no gain, and the whole update peaks higher. no-gain: neither smaller nor faster, no higher.
     """
-    higher = update_drop < -rule.no_higher_slack
+    higher = max(-update_drop, -1.0 if reserved_change is None else reserved_change) > rule.no_higher_slack
     memory = max(update_drop, capacity_gain) >= rule.min_peak_drop
     faster = time_ratio <= 1 - max(rule.min_speedup, time_noise)
     if not higher and ((memory and time_ratio <= rule.max_time_ratio) or faster):
@@ -183,8 +333,7 @@ def decide(
 ) -> tuple[str | None, str]:
     """(outcome, reason). A failed gate rejects on any device: the candidate is wrong. Otherwise accept / tune /
     no-gain / costs-memory by `decide_measured`, which needs allocator peaks and step times from a GPU: without
-    them, None. The reason gives the reserved peak's change beside the allocated one it judges, and the
-    reference's timing spread a speedup must exceed."""
+    them, None. The reason gives both peaks' changes, the time ratio's interval and the speedup it must show."""
     failed = next((v for v in verdicts if v.failed), None)
     if failed is not None:
         return "reject", f"{failed.name} gate failed: {failed.message}"
@@ -200,12 +349,13 @@ def decide(
         measured.time_ratio,
         measured.reserved_change,
     )
-    noise = timing_spread(reference)
+    low, _, high = timing_interval(perf, reference)
+    noise = (high - low) / 2
     speedup = max(rule.min_speedup, noise)
-    return decide_measured(update, capacity, ratio, rule, noise), (
-        f"allocated peak {-update:+.1%} (reserved {reserved:+.1%}, reported, not judged), bytes per sequence "
-        f"{-capacity:+.1%}, median x{ratio:.2f} (the reference's own spread: P95 {noise:+.1%} over its median); "
-        f"accept: allocated peak no higher (≤ +{rule.no_higher_slack:.0%}) and either {-rule.min_peak_drop:+.0%} or "
-        f"lower at ≤ x{rule.max_time_ratio:g}, or median ≤ x{1 - speedup:.2f}; costs-memory: no gain and the "
-        f"allocated peak higher; no-gain: neither"
+    return decide_measured(update, capacity, ratio, rule, noise, reserved), (
+        f"allocated peak {-update:+.1%}, reserved {reserved:+.1%}, bytes per sequence {-capacity:+.1%}, "
+        f"time x{ratio:.2f} (median of the rounds' ratios; {TIMING_INTERVAL:.0%} interval x{low:.2f} to x{high:.2f}); "
+        f"accept: neither peak higher (≤ +{rule.no_higher_slack:.0%}) and either {-rule.min_peak_drop:+.0%} or "
+        f"lower at ≤ x{rule.max_time_ratio:g}, or time ≤ x{1 - speedup:.2f}; costs-memory: no gain and a "
+        f"peak higher; no-gain: neither"
     )

@@ -6,7 +6,7 @@ the memory outside the allocator; a CPU's allocator only when forced, `allocator
 that bookkeeping too) and, on any device, the tracked tensor bytes —, what one more sequence adds to the
 forward + backward peak of a micro-batch inside an accumulation window (the capacity slope), then step times
 with the reference's and the candidate's updates interleaved (ABBA), so that a drift of the machine hits both
-alike. `Performance` holds what it found; `timing_counts` the warm-up and timed updates by device. Whether a
+alike (transformers' checkpointing switched on outside each timed update, not around each micro-batch in it). `Performance` holds what it found; `timing_counts` the warm-up and timed updates by device. Whether a
 measured gain is worth it is trainmech.decision's question, not this module's.
 """
 
@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from trainmech.candidates import Candidate, GateWorkload, MicroBatches
+from trainmech.candidates import Candidate, GateWorkload, MicroBatches, checkpointing_kept_on
 from trainmech.display import progress
 from trainmech.measure import StorageTracker, allocator_window, time_stats, timed
 
@@ -77,6 +77,9 @@ class Performance:
     transfer_time_s: float | None  # offload, CUDA: copy time per update, both directions (median)
     warmup: int
     repeats: int
+    # the timed updates' seconds, round by round (None: not kept); round i of the candidate and of the reference
+    # ran side by side, so their ratio is paired (`decision.round_ratios`)
+    step_times_s: tuple[float, ...] | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -265,9 +268,10 @@ def remeasure(
             ):
                 for c in order[i % 2]:
                     window = clean[(warmup + i) % len(clean)]
-                    seconds[id(c)].append(
-                        timed(partial(_one_update, c, states[id(c)], window), workload.device)[1]
-                    )
+                    with checkpointing_kept_on(c, workload.model):  # switched on outside the timed update
+                        seconds[id(c)].append(
+                            timed(partial(_one_update, c, states[id(c)], window), workload.device)[1]
+                        )
         finally:
             for c in (candidate, reference):
                 states[id(c)].optimizer.zero_grad(set_to_none=True)
@@ -284,6 +288,7 @@ def remeasure(
                 transfer_time_s=transfer,
                 warmup=warmup,
                 repeats=repeats,
+                step_times_s=tuple(seconds[id(c)]),
             )
         )
     return out[0], out[1]

@@ -213,48 +213,6 @@ def check_save_on_cpu(probe: Probe) -> str:
     )
 
 
-# The decision rule as a table, written from DecisionRule's and decide_measured's docstrings, not from their code:
-# (whole-update peak higher than the slack allows, a memory gain, within the time budget, faster) -> outcome.
-# "faster" lies within the time budget, so the four rows with faster and not within it cannot occur.
-_RULE_TABLE = {
-    # higher  gain   in time faster
-    (False, True, True, False): "accept",  # smaller at an affordable cost
-    (False, True, True, True): "accept",
-    (False, False, True, True): "accept",  # faster, no higher
-    (False, True, False, False): "tune",  # smaller, but too slow
-    (False, False, True, False): "no-gain",
-    (False, False, False, False): "no-gain",
-    (True, True, True, False): "tune",  # a gain, but the whole update peaks higher
-    (True, True, True, True): "tune",
-    (True, False, True, True): "tune",
-    (True, True, False, False): "tune",
-    (True, False, True, False): "costs-memory",
-    (True, False, False, False): "costs-memory",
-}
-
-
-def _rule_case(p, ref, rule) -> tuple[bool, bool, bool, bool]:
-    """`_RULE_TABLE`'s key for two Performance records: each condition compares the measured numbers themselves,
-    scaled, rather than the ratios trainmech.decision computes."""
-    return (
-        p.peak_allocated_bytes > ref.peak_allocated_bytes * (1 + rule.no_higher_slack),
-        p.peak_allocated_bytes <= ref.peak_allocated_bytes * (1 - rule.min_peak_drop)
-        or p.bytes_per_row <= ref.bytes_per_row * (1 - rule.min_peak_drop),
-        p.step_time_median_s <= ref.step_time_median_s * rule.max_time_ratio,
-        # the time saved clears min_speedup of the reference's median and the reference's own P95 - median gap
-        ref.step_time_median_s - p.step_time_median_s
-        >= max(rule.min_speedup * ref.step_time_median_s, ref.step_time_p95_s - ref.step_time_median_s),
-    )
-
-
-def _outcome_by_hand(p, ref, rule) -> str:
-    """The outcome read off two Performance records through `_RULE_TABLE` (not through trainmech.decision): a
-    record whose outcome disagrees was decided from other numbers than the measured ones, or by a rule whose
-    meaning changed."""
-    case = _rule_case(p, ref, rule)
-    return _RULE_TABLE.get(case, f"no row for {case}")
-
-
 def check_gates(probe: Probe) -> str:
     from trainmech import candidates, gate_report, gates, performance
 
@@ -282,10 +240,8 @@ def check_gates(probe: Probe) -> str:
         report.failed_gate is None,
         f"the checkpoint candidate failed the {report.failed_gate} gate: {report.lines()}",
     )
-    fields, table = (
-        report.record_fields("gpu-check"),
-        gate_report.strategy_table(report.reference_performance, {"checkpoint": report}),
-    )
+    report.record_fields("gpu-check")  # the record builds from a GPU report
+    table = gate_report.strategy_table(report.reference_performance, {"checkpoint": report})
     require("checkpoint" in table, f"the strategy table has no checkpoint row: {table}")
     p, ref = report.performance, report.reference_performance
     require(
@@ -294,23 +250,18 @@ def check_gates(probe: Probe) -> str:
         f"checkpointing keeps no less: forward + backward {p.tracked_forward_backward_bytes:,} vs "
         f"{ref.tracked_forward_backward_bytes:,} B, per sequence {p.bytes_per_row:,} vs {ref.bytes_per_row:,} B",
     )
-    if probe.cuda:
+    if probe.cuda:  # the measured d, c and phase against the ledger's prediction for this very workload
+        spec = profiles.for_mode(probe.mode).workload("smoke-gates")
+        predicted = gates.ledger_inputs(spec, "checkpoint", padded=True, residual_dropout=True)
+        held = gates.against_ledger(p, ref, predicted)
         require(
-            report.outcome in gates.OUTCOMES
-            and report.evidence_level == "gpu-measured"
-            and p.on_gpu
-            and p.forward_backward_reserved_bytes
-            and p.cuda_context_bytes is not None
-            and p.bytes_per_row > 0,
-            f"outcome {report.outcome} ({report.evidence_level}): {report.reason}; {p}",
+            report.evidence_level == "gpu-measured" and all(ok for ok, _ in held.values()),
+            f"{report.evidence_level}; against the ledger ({predicted.shape}): "
+            + "; ".join(words for _, words in held.values()),
         )
-        by_hand = _outcome_by_hand(p, ref, gates.RULE)
-        require(
-            report.outcome == by_hand == fields["metrics"]["outcome"],
-            f"outcome {report.outcome} (record {fields['metrics']['outcome']}), but the rule applied by hand to the "
-            f"measured peaks and times gives {by_hand}: {report.reason}",
+        measured = f"outcome {report.outcome}: {report.reason}; against the ledger: " + "; ".join(
+            words for _, words in held.values()
         )
-        measured = f"outcome {report.outcome} ({report.evidence_level}): {report.reason}"
     else:  # bitwise on a CPU; and the allocator's bookkeeping with the CPU allocator forced
         worst = report.verdict("gradients").evidence["window_worst"]
         require(

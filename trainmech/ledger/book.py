@@ -262,13 +262,19 @@ class Ledger:
             "weigh_rng": s.weigh_rng,
             "repeat_kv": s.repeat_kv,
             "dropout": s.dropout,
+            "residual_dropout": s.residual_dropout,
         } | change
 
     def to_json(self) -> dict[str, Any]:
         peak, fwd_bwd = self.peak_overlap(), self.forward_backward_peak()
         s, options = self.setup, self.options()
         first_step = options.pop("first_step")
-        for how_measured in ("weigh_rng", "repeat_kv", "dropout"):  # not the calculator's options
+        for how_measured in (
+            "weigh_rng",
+            "repeat_kv",
+            "dropout",
+            "residual_dropout",
+        ):  # not the calculator's options
             options.pop(how_measured)
         return (
             {
@@ -335,6 +341,7 @@ def training_state_lifecycle(
     weigh_rng: bool = False,
     repeat_kv: bool | None = None,
     dropout: bool | None = None,
+    residual_dropout: bool = False,
 ) -> Ledger:
     """The ledger of one training step: every state, its bytes and its lifecycle.
 
@@ -356,7 +363,8 @@ def training_state_lifecycle(
     does; True without: a torch whose kernel refuses enable_gqa, where they must be repeated to run it).
     dropout: attention dropout in the forward (default: the config's attention_dropout > 0; training runs in
     train mode): on a CPU the rule's kernel is then math, which keeps its dropout mask and dropped
-    probabilities too.
+    probabilities too. residual_dropout: a dropout on each decoder layer's MLP output (`candidates.residual_dropout`,
+    Task6's gate workload), whose multiply keeps its mask (`inventory.layer_saved`).
     """
     shape = model_shape(config)
     b, s = _check_size("batch", batch), _check_size("seq", seq)
@@ -396,6 +404,7 @@ def training_state_lifecycle(
         bool(weigh_rng),
         bool(padded if repeat_kv is None else repeat_kv),
         bool(dropout),
+        bool(residual_dropout),
     )
     states = step_states(setup)
     updated = {st.created.removesuffix(UPDATE_SUFFIX) for st in states if st.created.endswith(UPDATE_SUFFIX)}

@@ -427,6 +427,7 @@ def layer_saved(
     weigh_rng: bool = False,
     repeat_kv: bool | None = None,
     dropout: bool = False,
+    residual_dropout: bool = False,
 ) -> list[SavedTensor]:
     """The tensors autograd keeps for one decoder layer's backward (transformers Qwen2/Llama, SDPA attention).
 
@@ -437,6 +438,8 @@ def layer_saved(
     input_layernorm's x is the layer input itself (created by the layer before); with 16-bit
     activations both norms keep an fp32 upcast copy of their input instead; under autocast the
     residual stream stays fp32 and the projections keep 16-bit copies (`_autocast_copies`).
+    residual_dropout: a dropout on the MLP's output (`candidates.residual_dropout`: `out * keep / (1 - p)`) keeps
+    its mask, of the MLP output's dtype, until the first step of the layer's backward.
     """
     dtypes = recipe(recipe_name)
     kernel = attention_kernel(shape, recipe_name, device, kernel, padded=padded, dropout=dropout)
@@ -446,6 +449,7 @@ def layer_saved(
         )
     b, s, h, inner, act = batch, seq, shape.hidden_size, shape.intermediate_size, dtypes.activation_bytes
     extra = {"weigh_rng": weigh_rng, "repeat_kv": repeat_kv, "dropout": dropout}
+    mask = [SavedTensor("mlp.residual_dropout_mask", (b, s, h), act, "down_proj")] if residual_dropout else []
     if dtypes.autocast:  # the residual stream and the norms stay fp32; matmuls read 16-bit copies
         attention = attention_saved(shape, b, s, act, kernel, padded, device, **extra)
         copies = _autocast_copies(shape, b, s, act)
@@ -464,6 +468,7 @@ def layer_saved(
             SavedTensor("mlp.up", (b, s, inner), act, "mlp"),
             SavedTensor("mlp.act", (b, s, inner), act, "mlp"),
             SavedTensor("mlp.act_up", (b, s, inner), act, "down_proj"),
+            *mask,
         ]
     sixteen = dtypes.sixteen_bit
     return [
@@ -476,4 +481,5 @@ def layer_saved(
         SavedTensor("mlp.up", (b, s, inner), act, "mlp"),
         SavedTensor("mlp.act", (b, s, inner), act, "mlp"),  # silu(gate)
         SavedTensor("mlp.act_up", (b, s, inner), act, "down_proj"),  # silu(gate) * up, down_proj's input
+        *mask,
     ]

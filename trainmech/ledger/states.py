@@ -69,6 +69,7 @@ class Setup:
         False  # K and V repeated to every head before SDPA (a mask; or a kernel refusing enable_gqa)
     )
     dropout: bool = False  # attention dropout (dropout_p > 0): the math composite keeps its mask too
+    residual_dropout: bool = False  # a dropout on each MLP's output (Task6's gate workload): its mask is kept
 
     @property
     def dtypes(self) -> Recipe:
@@ -92,7 +93,8 @@ class Setup:
 def layer_rows(setup: Setup) -> list[SavedTensor]:
     """One decoder layer's saved-tensor inventory in this step's setup (`inventory.layer_saved`)."""
     options = {
-        name: getattr(setup, name) for name in ("device", "padded", "weigh_rng", "repeat_kv", "dropout")
+        name: getattr(setup, name)
+        for name in ("device", "padded", "weigh_rng", "repeat_kv", "dropout", "residual_dropout")
     }
     return layer_saved(setup.shape, setup.batch, setup.seq, setup.recipe, setup.kernel, **options)
 
