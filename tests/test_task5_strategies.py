@@ -921,6 +921,8 @@ def test_scenario_matrix_predicts_every_measured_cell(model, tensors):
     assert len(rows) == 24 and scenarios.worst_peak_error(rows, measured) <= 0.01
     text = scenarios.render_rows(rows, unit=2**10, unit_name="KiB", measured_rows=measured)
     assert text.count("\n") == 24 and "in-backward" in text
+    head = text.splitlines()[0]
+    assert "fwd+bwd change" in head and "update change" in head  # each change column names its peak
     assert all(m.whole_allocated is None for m in got.values())  # no CUDA allocator here: unknown, not 0
 
 
