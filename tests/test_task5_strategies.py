@@ -31,6 +31,7 @@ from trainmech.offload import (
 )
 from trainmech.offload.copies import CudaCopies
 from trainmech.offload.overlap import Overlap, covered, overlap, trace_intervals, union
+from trainmech.offload.save_on_cpu import check_host_copy
 from trainmech.optimizers import OptimizerInBackward
 
 pytestmark = pytest.mark.task5
@@ -632,6 +633,25 @@ def test_save_on_cpu_moves_everything_and_restores_values(model, batch, baseline
     wrapped, counts = restore_check(CountingSaveOnCpu("cpu"))
     offload_step(model, batch, wrapped)
     assert counts["values_differ"] == 0  # values come back; strides may not (contiguous copies)
+
+
+def test_save_on_cpu_counts_the_host_copies_torch_returns(model, batch):
+    """The bytes come from torch's returned host tensor: a pack that hands back the saved tensor itself
+    (torch's own save_on_cpu without pin_memory does, off CUDA: `.cpu()` of a host tensor) is refused."""
+    x = torch.randn(4, 8, requires_grad=True)
+    hooks = CountingSaveOnCpu("cpu")
+    with hooks:
+        y = (x * x.t().contiguous().t()).sum()  # saves two 128 B tensors
+    y.backward()
+    assert hooks.stats.packed == 2 and hooks.stats.d2h_bytes == hooks.stats.h2d_bytes == 2 * 4 * 8 * 4
+    lazy = CountingSaveOnCpu("cpu")
+    lazy._torch_pack = torch.autograd.graph.save_on_cpu(pin_memory=False).pack_hook  # returns x itself
+    with pytest.raises(TrainmechError, match="shares the saved tensor's storage"), lazy:
+        (x * x).sum()
+    with pytest.raises(TrainmechError, match="not in pinned memory"):
+        check_host_copy(x, x.detach().clone(), pinned=True)
+    with pytest.raises(TrainmechError, match="holds 64 B, the saved tensor 128 B"):
+        check_host_copy(x, torch.empty(4, 4), pinned=False)
 
 
 # ----------------------------------------------------------------------------- offload: the CUDA copy path, on host streams

@@ -153,6 +153,7 @@ PACKAGE = [
             "offload.save_on_cpu.CountingSaveOnCpu.pack",
             "offload.save_on_cpu.CountingSaveOnCpu.unpack",
             "offload.save_on_cpu.CountingSaveOnCpu.read_times",
+            "offload.save_on_cpu.check_host_copy",
         ),
         "torch's save_on_cpu with pinned memory, timed by CUDA events read after the step: every copy on the compute "
         "stream, so its exposed transfer time is its transfer time",

@@ -174,12 +174,14 @@ def check_save_on_cpu(probe: Probe) -> str:
     same, how = same_gradients(probe, ours, ref)
     require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
     saved = _saved_references(model, batch)
+    # The bytes are those of the host tensors torch's pack returned, each checked to be a pinned copy of its
+    # own (CountingSaveOnCpu raises otherwise); the plain hooks count what autograd handed in.
     require(
         st.packed == len(saved) == st.unpacked
         and st.unpacked_again == 0
         and st.d2h_bytes == st.h2d_bytes == sum(saved),
-        f"save_on_cpu counted {st.packed} references, {st.d2h_bytes:,} B; a plain pair of hooks saw "
-        f"{len(saved)}, {sum(saved):,} B",
+        f"save_on_cpu's host copies: {st.packed} holding {st.d2h_bytes:,} B; a plain pair of hooks saw "
+        f"{len(saved)} saved references, {sum(saved):,} B",
     )
     if probe.cuda:  # its copies run on the compute stream: the step grows by at least (most of) their time
         # The first step's events also time the pinned allocations (each pack misses the caching host allocator);
