@@ -169,7 +169,8 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
         "mm.default": 4 * LAYERS,
         "_scaled_dot_product_flash_attention_for_cpu.default": LAYERS,
     }
-    assert selective.saved_ops == sum(dispatched.values())
+    # what torch's caches held when each recompute began, against a plain forward's matmuls (not the policy's answers)
+    assert selective.stored_ops == selective.saved_ops == sum(dispatched.values()) and full.stored_ops is None
     assert not {op.__name__ for op in C.MATMUL_OPS} & set(selective.recomputed_by_op)
     assert {"mm.default", "addmm.default"} & set(full.recomputed_by_op)
     assert 0 < selective.recomputed_ops < full.recomputed_ops
@@ -208,7 +209,7 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     ]
     assert "recomputed by op (selective, per update)" in report
     assert selective.forget_caches() == LAYERS  # what it read, before letting the caches go
-    assert selective.left_in_cache_ops is None
+    assert selective.left_in_cache_ops is None and selective.stored_ops == sum(dispatched.values())
     assert (
         selective.read_from_cache_ops + selective.recomputed_ops + selective.skipped_ops
         == selective.forward_ops
@@ -230,6 +231,22 @@ def test_left_in_cache_reads_both_layouts_of_torchs_selective_cache():
         [C.Region(cache={"mm": {0: out, **{k + 1: e for k, e in enumerate(sentinels)}}})]
     )
     assert keyed.forget_caches() == 1 and keyed.left_in_cache_ops is None
+    # stored_ops reads the same layouts: a region whose recompute never began is read as it is now
+    assert listed.stored_ops == 3 and keyed.stored_ops is None
+
+
+def test_stored_ops_reads_torchs_cache_before_the_recompute_takes_from_it():
+    """stored_ops is what torch's cache held after the forward, read when the recompute begins: after the
+    backward the cache holds only what the recompute never reached, the stored count stays."""
+    count = C.RecomputeCount()
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    fn = C.counting_context(count, C.save_matmuls)
+    y = checkpoint(lambda a: torch.relu(a @ w) @ w, x, use_reentrant=False, context_fn=fn)
+    assert count.stored_ops == 2 and count.regions[0].stored is None  # read now: no recompute yet
+    y.sum().backward()
+    # the recompute took the first mm's output and stopped before the second (its output was not needed)
+    assert count.regions[0].stored == count.stored_ops == 2 and count.left_in_cache_ops == 1
 
 
 def test_recompute_count_finds_a_replay_that_is_not_the_forwards_prefix():
@@ -250,7 +267,7 @@ def test_selective_checkpoint_with_the_kernel_the_ledger_picks_for_cuda(model, b
         _, selective, dispatched, _ = _selective_counts(model, batch)
     expected = C.expected_matmul_ops(model.model.layers, kernel, "cuda")
     assert kernel == "math" and expected["bmm.default"] == 2 * LAYERS
-    assert dispatched == expected and selective.saved_ops == sum(expected.values()) == 9 * LAYERS
+    assert dispatched == expected and selective.stored_ops == sum(expected.values()) == 9 * LAYERS
     with pytest.raises(ValueError, match="no attention ops known"):
         C.expected_matmul_ops(model.model.layers, "flash", "mps")
 

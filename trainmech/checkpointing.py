@@ -190,6 +190,20 @@ class Region:
     cache: dict | None = field(
         default=None, repr=False
     )  # the selective policy's cache (torch's storage), if any
+    stored: int | None = None  # outputs torch's selective cache held when this region's recompute began
+
+
+def _cache_entries(cache: dict) -> int:
+    """Outputs a selective cache holds now (sentinels and consumed entries not counted), in either layout."""
+    return sum(_unread_entries(per_op) for per_op in cache.values())
+
+
+@contextmanager
+def _note_stored(region: Region):
+    """Entered first in the recompute: what torch stored in the forward, read before the recompute takes any."""
+    if region.stored is None and region.cache is not None:
+        region.stored = _cache_entries(region.cache)
+    yield
 
 
 @dataclass
@@ -242,7 +256,16 @@ class RecomputeCount:
         caches = [r.cache for r in self.regions if r.cache is not None]
         if not caches:
             return None
-        return sum(_unread_entries(per_op) for cache in caches for per_op in cache.values())
+        return sum(_cache_entries(cache) for cache in caches)
+
+    @property
+    def stored_ops(self) -> int | None:
+        """Measured in torch's selective caches, not the policy's answers: the outputs each region's cache held
+        after its forward (read when its recompute began; a region never recomputed, read now). None: no cache."""
+        regions = [r for r in self.regions if r.stored is not None or r.cache is not None]
+        if not regions:
+            return None
+        return sum(r.stored if r.stored is not None else _cache_entries(r.cache) for r in regions)
 
     def forget_caches(self) -> int | None:
         """Drop the references to the selective caches (and the unread outputs in them); returns what
@@ -314,7 +337,10 @@ def counting_context(count: RecomputeCount, policy: Callable | None = None) -> C
         region.cache = getattr(forward, "storage", None)
         return (
             _stacked(_OpCounter(region.forward), forward),
-            _stacked(_stacked(_OpCounter(region.recomputed), recompute), _OpCounter(region.replayed)),
+            _stacked(
+                _note_stored(region),
+                _stacked(_stacked(_OpCounter(region.recomputed), recompute), _OpCounter(region.replayed)),
+            ),
         )
 
     return context_fn
