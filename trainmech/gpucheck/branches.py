@@ -140,10 +140,11 @@ PACKAGE = [
         "CudaCopies on CUDA streams: pinned host arena, cached D2H / H2D side streams, held sources released at a D2H "
         "event, CUDA events for copy and wait times read after the step, the hooks never synchronising (sync debug "
         "mode 'error'); side-stream copies overlapping kernels in a profiled step, D2H copies hidden behind a stalled "
-        "compute stream (offload_overlap; first-guess thresholds); on a CPU the same bookkeeping over HostStreams, its "
-        "order checked, and nothing hidden behind a host sleep",
+        "compute stream (offload_overlap: the exposed share under (1 + floor) / 2 of the bound measured on the probe, "
+        "the other thresholds first guesses); on a CPU the same bookkeeping over HostStreams, its order checked, and "
+        "the overlap arithmetic checked on known intervals",
         check_offload,
-        3,
+        4,
     ),
     Branch(
         "offload.save_on_cpu",
