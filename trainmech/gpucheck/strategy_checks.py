@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from trainmech import ledger, profiles
+from trainmech import ledger, measure, profiles
 from trainmech.gpucheck.offload_overlap import (
     measured_bound,
     overlap_claims,
@@ -206,11 +206,6 @@ def check_save_on_cpu(probe: Probe) -> str:
             f"{(moved_s - plain_s) * 1e3:.3f} ms ({plain_s * 1e3:.3f} -> {moved_s * 1e3:.3f} ms): not serial on the "
             f"compute stream",
         )
-    else:
-        require(
-            st.transfer_time_s is None and st.exposed_transfer_time_s is None,
-            f"save_on_cpu off CUDA: transfer {st.transfer_time_s} s, exposed {st.exposed_transfer_time_s} s",
-        )
     return (
         f"gradients equal ({how}); every one of {len(saved)} saved references moved, {st.d2h_bytes:,} B each way"
         + (
@@ -339,6 +334,29 @@ def check_gates(probe: Probe) -> str:
     return f"checkpoint candidate passes gates 1-4 (RNG, noise floor), keeps less per sequence; {measured}"
 
 
+# The record's measured peak against the allocator's over an untracked step: on CUDA within this many bytes (the
+# allocator's per-step extras are absolute; a first guess, not yet measured on a GPU), on a CPU (its allocator seen
+# by the profiler, temporaries inside ops included) within this share of it.
+PEAK_AGREEMENT_BYTES = 2 << 20
+PEAK_AGREEMENT_SHARE = 0.02
+
+
+def _allocator_peak(model, optimizer, batch, context) -> int:
+    """The allocator's peak over one untracked training step inside `context(model)` (no StorageTracker, no
+    ledger): the bytes allocated above the start, plus the parameters and optimizer states counted by storage."""
+    device = next(model.parameters()).device
+    states = (
+        v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.device == device
+    )
+    held = [*model.parameters(), *states]
+    state = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())
+    with context(model), measure.allocator_window(device, assume_start_bytes=state) as window:
+        model(**batch, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return window.peak_bytes - window.start_bytes + state
+
+
 def check_strategy_records(probe: Probe) -> str:
     from trainmech import candidates, gates, performance, strategy_records, tracing
     from trainmech.ledger.compare import MEASURED_PEAK_WITH
@@ -368,13 +386,8 @@ def check_strategy_records(probe: Probe) -> str:
         for s in ("baseline", "checkpoint")
     }
     steps = [ledger.tracked_step(model, state.optimizer, batch, None)]
-    if probe.cuda:
-        torch.cuda.synchronize(probe.device)
-        torch.cuda.reset_peak_memory_stats(probe.device)
     steps.append(ledger.tracked_step(model, state.optimizer, batch, candidates.activation_checkpointing))
-    direct = (
-        torch.cuda.max_memory_allocated(probe.device) if probe.cuda else None
-    )  # read here, not by the ledger
+    direct = _allocator_peak(model, state.optimizer, batch, candidates.activation_checkpointing)
     ledger_record = strategy_records.ledger_fields(
         "hf-checkpoint",
         books["checkpoint"],
@@ -385,41 +398,37 @@ def check_strategy_records(probe: Probe) -> str:
         min_bytes=None,
     )
     metrics = ledger_record["metrics"]
-    # the record's measured peak against numbers read apart from it: the parameters live through the step; on CUDA
-    # the allocator's own peak over the checkpointed step bounds it from above, on a CPU the baseline step's
-    # tracked peak (checkpointing keeps less)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # the record's measured peak against the allocator's peak over another, untracked checkpointed step plus the
+    # state bytes counted here (not by the ledger), and below the baseline step's (checkpointing keeps less)
     base_peak = ledger.Comparison(
         probe.model_name, probe.batch, probe.seq, "steady", books["baseline"], steps[0]
     ).measured_peak
     peak = metrics["measured_peak_bytes"]
+    within = PEAK_AGREEMENT_BYTES if probe.cuda else PEAK_AGREEMENT_SHARE * direct
     require(
         metrics["measured_with"] == MEASURED_PEAK_WITH["cuda" if probe.cuda else "cpu"]
         and peak is not None
-        and (peak <= direct if probe.cuda else peak < base_peak),
-        f"the state-ledger record's measured peak {peak} ({metrics['measured_with']!r}): parameters {param_bytes:,} B, "
-        + (
-            f"max_memory_allocated over the step {direct:,} B"
-            if probe.cuda
-            else f"baseline step {base_peak:,} B"
-        ),
+        and abs(peak - direct) <= within
+        and peak < base_peak,
+        f"the state-ledger record's measured peak {peak} ({metrics['measured_with']!r}): the allocator's peak over "
+        f"an untracked checkpointed step {direct:,} B (within {within:,.0f} B), the baseline step's {base_peak:,} B",
     )
-    tracked = fields["metrics"]["cpu_tracked_peak_bytes"]
     if probe.cuda:
         require(
-            tracked is None
-            and fields["resources"]["peak_reserved_bytes"] is not None
+            fields["resources"]["peak_reserved_bytes"] is not None
             and ledger_record["resources"]["peak_allocated_bytes"] is not None,
             f"record fields on CUDA: {fields['resources']}, ledger record {ledger_record['resources']}",
         )
     else:
+        tracked = fields["metrics"]["cpu_tracked_peak_bytes"]
         base_tracked = fields["metrics"]["baseline_cpu_tracked_peak_bytes"]
         require(
             tracked is not None and 0 < tracked < base_tracked,
             f"the record's tracked peak {tracked}, baseline {base_tracked}",
         )
     return (
-        f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}"
+        f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}; "
+        f"the record's peak {peak:,} B, the allocator's over an untracked step {direct:,} B"
         + (
             f"; median x{run.performance.step_time_median_s / run.reference_performance.step_time_median_s:.2f}"
             if probe.cuda
