@@ -270,7 +270,8 @@ NOTEBOOK_CELLS = {
     "Task5:imports-setup": "3 warm-up + 21 timed updates on CUDA (1 + 3 on CPU)",
     "Task5:protocol": "gate 2 against the baseline everywhere; the bitwise claim on CPU only, for strategies that keep "
     "every tensor's layout",
-    "Task5:baseline-ledger": "the baseline peak claim is CPU-only",
+    "Task5:baseline-ledger": "the saved bytes at the baseline peak: their exact sum claimed on CPU, only the every-layer "
+    "lower bound on CUDA",
     "Task5:dropout-rng": "RNG-preserving replay within gates.GRAD_RTOL instead of bitwise",
     "Task5:overlapped-offload": "copy and exposed transfer times from CUDA events; the stash and inventory claims are "
     "CPU-only",
