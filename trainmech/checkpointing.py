@@ -11,7 +11,7 @@ gradients must equal the baseline's.
 Counting: `counting_context` gives checkpoint() a context_fn that counts the aten ops a
 checkpointed region runs in the forward and again in the backward (and, with a policy, makes the
 checkpoint selective); `count_calls` counts module calls, so a replayed layer shows up as extra
-calls during the backward; `dispatched_ops` counts, in a plain forward, the ops a policy would
+calls during the backward (`counted_update` runs one update's forward and backward so counted); `dispatched_ops` counts, in a plain forward, the ops a policy would
 keep, so what a selective checkpoint saves is checked against what really ran; `expected_matmul_ops`
 says by name what that should be, from the layers' Linear modules and the attention kernel the ledger
 picks for the device (one fused SDPA op, or two `bmm` of the math kernel). Every replay is also announced to
@@ -43,6 +43,7 @@ __all__ = [
     "RecomputeCount",
     "counting_context",
     "count_calls",
+    "counted_update",
     "dispatched_ops",
     "ATTENTION_OPS",
     "dispatched_kernel",
@@ -362,6 +363,17 @@ def count_calls(modules: Iterable[torch.nn.Module]) -> Iterator[Counter]:
     finally:
         for h in handles:
             h.remove()
+
+
+def counted_update(model, workload, baseline, *contexts) -> Counter:
+    """One more update's forward and backward (the workload's first window, from `baseline`'s fresh state) under
+    these strategy contexts: it fills the counters they carry; returns the MLP calls counted per layer."""
+    from trainmech import candidates  # it imports this module
+
+    with count_calls([layer.mlp for layer in model.model.layers]) as calls:
+        candidates.window_backward(workload.fresh_state(baseline), workload.windows[0], contexts=contexts)
+    model.zero_grad(set_to_none=True)
+    return calls
 
 
 class _Dispatched(TorchDispatchMode):

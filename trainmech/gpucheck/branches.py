@@ -282,8 +282,9 @@ NOTEBOOK_CELLS = {
     "Task5:scenario-gpu": "the allocator's whole-update peaks of the rows the ledger puts at the optimizer step within 1 % "
     "of each other, the other rows above them (CUDA only; on CPU the rows are printed)",
     "Task5:in-backward": "optimizer-in-backward within 1e-5 of AdamW on CUDA, bitwise on CPU",
+    "Task5:save-on-cpu-estimate": "the save_on_cpu byte estimate against what it moved, claimed on CPU only",
     "Task5:transfer-measured": "this machine's copy bandwidth and phase times, measured: the bound the timing table is held "
-    "to; the save_on_cpu byte estimate claimed on CPU only",
+    "to",
     "Task5:timing-table": "the timing table, decisions from allocated peaks (reserved beside them), bytes per sequence and "
     "medians; the exposed fraction "
     "(per-copy CUDA events) and the step ratio against the measured bound",

@@ -26,7 +26,7 @@ import torch
 from trainmech.errors import TrainmechError
 from trainmech.offload.book import References, TransferStats
 
-__all__ = ["CountingSaveOnCpu", "check_host_copy", "pack_copy_line"]
+__all__ = ["CountingSaveOnCpu", "check_host_copy", "pack_copy_line", "pack_copy_note"]
 
 
 def check_host_copy(saved: torch.Tensor, host: torch.Tensor, *, pinned: bool) -> int:
@@ -57,6 +57,18 @@ def pack_copy_line() -> str:
     whether it passes `non_blocking` (the host does not wait for the D2H copy) differs between torch versions."""
     lines = inspect.getsource(torch.autograd.graph.save_on_cpu).splitlines()
     return next((line.strip() for line in lines if ".copy_(" in line), "")
+
+
+def pack_copy_note() -> str:
+    """Task5's line on `pack_copy_line()`: the installed torch's version, the line, and what it means for the host."""
+    line = pack_copy_line()
+    means = (
+        "non_blocking from pinned memory, so the host does not wait for it; it still runs on the compute stream, "
+        "in line with compute"
+        if "non_blocking" in line
+        else "a synchronous copy: the host waits for every D2H"
+    )
+    return f"torch {torch.__version__.split('+')[0]}: save_on_cpu's D2H copy is written `{line}`: {means}"
 
 
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
