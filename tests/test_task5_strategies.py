@@ -832,19 +832,25 @@ def test_overlap_problems_tell_hidden_copies_from_serial_ones_threshold_by_thres
     assert "tell hidden copies from serial ones" in oo.arithmetic_self_check()
     compute = [(0.0, 4.0)]
     hidden = overlap([(1.0, 3.0)], compute)
-    assert oo.overlap_problems(hidden, 0.0, 1.0, 0.6, hidden, 0.0) == []
-    thin = overlap([(3.95, 5.0)], compute)  # 0.05 s of 1.05 during kernels: under the 10 % floor
-    (problem,) = oo.overlap_problems(thin, 0.0, 1.0, 0.6, hidden, 0.0)
+    # compute busy 4 of the 5 s from the first start to the last end: the kernel floor is half of 4/5
+    floor = oo.kernel_floor([(3.95, 5.0)], compute)
+    assert floor == pytest.approx(oo.HIDDEN_SHARE_OF_BUSY * 4 / 5)
+    assert oo.overlap_problems(hidden, floor, 0.0, 1.0, 0.6, hidden, 0.0) == []
+    thin = overlap([(3.95, 5.0)], compute)  # 0.05 s of 1.05 during kernels: under the floor
+    (problem,) = oo.overlap_problems(thin, floor, 0.0, 1.0, 0.6, hidden, 0.0)
     assert "during kernels" in problem
-    (problem,) = oo.overlap_problems(hidden, 0.7, 1.0, 0.6, hidden, 0.0)
+    (problem,) = oo.overlap_problems(hidden, floor, 0.7, 1.0, 0.6, hidden, 0.0)
     assert "above 60%" in problem
-    (problem,) = oo.overlap_problems(hidden, 0.0, 1.0, 0.6, thin, 0.0)
+    (problem,) = oo.overlap_problems(hidden, floor, 0.0, 1.0, 0.6, thin, 0.0)
     assert "during the stalls" in problem
-    (problem,) = oo.overlap_problems(hidden, 0.0, 1.0, 0.6, hidden, 0.2)
+    (problem,) = oo.overlap_problems(hidden, floor, 0.0, 1.0, 0.6, hidden, 0.2)
     assert "waited 200000.0 us" in problem
     # a stalled step without a D2H copy is a failure that says so, not a format error
-    (problem,) = oo.overlap_problems(hidden, 0.0, 1.0, 0.6, overlap([], compute), 0.0)
+    (problem,) = oo.overlap_problems(hidden, floor, 0.0, 1.0, 0.6, overlap([], compute), 0.0)
     assert "no copy of the D2H" in problem
+    # no copy under any kernel fails even where the compute stream was hardly busy (the floor near 0)
+    (problem,) = oo.overlap_problems(overlap([(5.0, 6.0)], compute), 0.0, 0.0, 1.0, 0.6, hidden, 0.0)
+    assert "during kernels" in problem
     floor, ceiling = oo.exposed_ceiling({"exposed_transfer_bound_s": 0.1, "d2h_s": 0.2, "h2d_s": 0.2})
     assert (floor, ceiling) == (0.25, 0.625)
 
