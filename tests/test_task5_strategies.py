@@ -31,6 +31,7 @@ from trainmech.offload import (
 )
 from trainmech.offload.copies import CudaCopies
 from trainmech.offload.overlap import Overlap, covered, overlap, trace_intervals, union
+from trainmech.offload.save_on_cpu import check_host_copy
 from trainmech.optimizers import OptimizerInBackward
 
 pytestmark = pytest.mark.task5
@@ -168,7 +169,8 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
         "mm.default": 4 * LAYERS,
         "_scaled_dot_product_flash_attention_for_cpu.default": LAYERS,
     }
-    assert selective.saved_ops == sum(dispatched.values())
+    # what torch's caches held when each recompute began, against a plain forward's matmuls (not the policy's answers)
+    assert selective.stored_ops == selective.saved_ops == sum(dispatched.values()) and full.stored_ops is None
     assert not {op.__name__ for op in C.MATMUL_OPS} & set(selective.recomputed_by_op)
     assert {"mm.default", "addmm.default"} & set(full.recomputed_by_op)
     assert 0 < selective.recomputed_ops < full.recomputed_ops
@@ -207,7 +209,7 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     ]
     assert "recomputed by op (selective, per update)" in report
     assert selective.forget_caches() == LAYERS  # what it read, before letting the caches go
-    assert selective.left_in_cache_ops is None
+    assert selective.left_in_cache_ops is None and selective.stored_ops == sum(dispatched.values())
     assert (
         selective.read_from_cache_ops + selective.recomputed_ops + selective.skipped_ops
         == selective.forward_ops
@@ -229,6 +231,22 @@ def test_left_in_cache_reads_both_layouts_of_torchs_selective_cache():
         [C.Region(cache={"mm": {0: out, **{k + 1: e for k, e in enumerate(sentinels)}}})]
     )
     assert keyed.forget_caches() == 1 and keyed.left_in_cache_ops is None
+    # stored_ops reads the same layouts: a region whose recompute never began is read as it is now
+    assert listed.stored_ops == 3 and keyed.stored_ops is None
+
+
+def test_stored_ops_reads_torchs_cache_before_the_recompute_takes_from_it():
+    """stored_ops is what torch's cache held after the forward, read when the recompute begins: after the
+    backward the cache holds only what the recompute never reached, the stored count stays."""
+    count = C.RecomputeCount()
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    fn = C.counting_context(count, C.save_matmuls)
+    y = checkpoint(lambda a: torch.relu(a @ w) @ w, x, use_reentrant=False, context_fn=fn)
+    assert count.stored_ops == 2 and count.regions[0].stored is None  # read now: no recompute yet
+    y.sum().backward()
+    # the recompute took the first mm's output and stopped before the second (its output was not needed)
+    assert count.regions[0].stored == count.stored_ops == 2 and count.left_in_cache_ops == 1
 
 
 def test_recompute_count_finds_a_replay_that_is_not_the_forwards_prefix():
@@ -249,7 +267,7 @@ def test_selective_checkpoint_with_the_kernel_the_ledger_picks_for_cuda(model, b
         _, selective, dispatched, _ = _selective_counts(model, batch)
     expected = C.expected_matmul_ops(model.model.layers, kernel, "cuda")
     assert kernel == "math" and expected["bmm.default"] == 2 * LAYERS
-    assert dispatched == expected and selective.saved_ops == sum(expected.values()) == 9 * LAYERS
+    assert dispatched == expected and selective.stored_ops == sum(expected.values()) == 9 * LAYERS
     with pytest.raises(ValueError, match="no attention ops known"):
         C.expected_matmul_ops(model.model.layers, "flash", "mps")
 
@@ -634,6 +652,25 @@ def test_save_on_cpu_moves_everything_and_restores_values(model, batch, baseline
     assert counts["values_differ"] == 0  # values come back; strides may not (contiguous copies)
 
 
+def test_save_on_cpu_counts_the_host_copies_torch_returns(model, batch):
+    """The bytes come from torch's returned host tensor: a pack that hands back the saved tensor itself
+    (torch's own save_on_cpu without pin_memory does, off CUDA: `.cpu()` of a host tensor) is refused."""
+    x = torch.randn(4, 8, requires_grad=True)
+    hooks = CountingSaveOnCpu("cpu")
+    with hooks:
+        y = (x * x.t().contiguous().t()).sum()  # saves two 128 B tensors
+    y.backward()
+    assert hooks.stats.packed == 2 and hooks.stats.d2h_bytes == hooks.stats.h2d_bytes == 2 * 4 * 8 * 4
+    lazy = CountingSaveOnCpu("cpu")
+    lazy._torch_pack = torch.autograd.graph.save_on_cpu(pin_memory=False).pack_hook  # returns x itself
+    with pytest.raises(TrainmechError, match="shares the saved tensor's storage"), lazy:
+        (x * x).sum()
+    with pytest.raises(TrainmechError, match="not in pinned memory"):
+        check_host_copy(x, x.detach().clone(), pinned=True)
+    with pytest.raises(TrainmechError, match="holds 64 B, the saved tensor 128 B"):
+        check_host_copy(x, torch.empty(4, 4), pinned=False)
+
+
 # ----------------------------------------------------------------------------- offload: the CUDA copy path, on host streams
 
 
@@ -788,6 +825,36 @@ def test_overlap_counts_copy_time_inside_compute_once_and_nothing_outside_it():
         overlap([(2.0, 1.0)], [])
 
 
+def test_overlap_problems_tell_hidden_copies_from_serial_ones_threshold_by_threshold():
+    """gpu-check's overlap verdict on intervals whose overlap is known: each threshold fails on its own."""
+    from trainmech.gpucheck import offload_overlap as oo
+
+    assert "tell hidden copies from serial ones" in oo.arithmetic_self_check()
+    compute = [(0.0, 4.0)]
+    hidden = overlap([(1.0, 3.0)], compute)
+    # compute busy 4 of the 5 s from the first start to the last end: the kernel floor is half of 4/5
+    floor = oo.kernel_floor([(3.95, 5.0)], compute)
+    assert floor == pytest.approx(oo.HIDDEN_SHARE_OF_BUSY * 4 / 5)
+    assert oo.overlap_problems(hidden, floor, 0.0, 1.0, 0.6, hidden, 0.0) == []
+    thin = overlap([(3.95, 5.0)], compute)  # 0.05 s of 1.05 during kernels: under the floor
+    (problem,) = oo.overlap_problems(thin, floor, 0.0, 1.0, 0.6, hidden, 0.0)
+    assert "during kernels" in problem
+    (problem,) = oo.overlap_problems(hidden, floor, 0.7, 1.0, 0.6, hidden, 0.0)
+    assert "above 60%" in problem
+    (problem,) = oo.overlap_problems(hidden, floor, 0.0, 1.0, 0.6, thin, 0.0)
+    assert "during the stalls" in problem
+    (problem,) = oo.overlap_problems(hidden, floor, 0.0, 1.0, 0.6, hidden, 0.2)
+    assert "waited 200000.0 us" in problem
+    # a stalled step without a D2H copy is a failure that says so, not a format error
+    (problem,) = oo.overlap_problems(hidden, floor, 0.0, 1.0, 0.6, overlap([], compute), 0.0)
+    assert "no copy of the D2H" in problem
+    # no copy under any kernel fails even where the compute stream was hardly busy (the floor near 0)
+    (problem,) = oo.overlap_problems(overlap([(5.0, 6.0)], compute), 0.0, 0.0, 1.0, 0.6, hidden, 0.0)
+    assert "during kernels" in problem
+    floor, ceiling = oo.exposed_ceiling({"exposed_transfer_bound_s": 0.1, "d2h_s": 0.2, "h2d_s": 0.2})
+    assert (floor, ceiling) == (0.25, 0.625)
+
+
 def _kineto(cat, stream, ts, dur):
     return {"ph": "X", "cat": cat, "name": cat, "ts": ts, "dur": dur, "args": {"stream": stream, "device": 0}}
 
@@ -921,6 +988,8 @@ def test_scenario_matrix_predicts_every_measured_cell(model, tensors):
     assert len(rows) == 24 and scenarios.worst_peak_error(rows, measured) <= 0.01
     text = scenarios.render_rows(rows, unit=2**10, unit_name="KiB", measured_rows=measured)
     assert text.count("\n") == 24 and "in-backward" in text
+    head = text.splitlines()[0]
+    assert "fwd+bwd change" in head and "update change" in head  # each change column names its peak
     assert all(m.whole_allocated is None for m in got.values())  # no CUDA allocator here: unknown, not 0
 
 

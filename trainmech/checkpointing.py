@@ -11,7 +11,7 @@ gradients must equal the baseline's.
 Counting: `counting_context` gives checkpoint() a context_fn that counts the aten ops a
 checkpointed region runs in the forward and again in the backward (and, with a policy, makes the
 checkpoint selective); `count_calls` counts module calls, so a replayed layer shows up as extra
-calls during the backward; `dispatched_ops` counts, in a plain forward, the ops a policy would
+calls during the backward (`counted_update` runs one update's forward and backward so counted); `dispatched_ops` counts, in a plain forward, the ops a policy would
 keep, so what a selective checkpoint saves is checked against what really ran; `expected_matmul_ops`
 says by name what that should be, from the layers' Linear modules and the attention kernel the ledger
 picks for the device (one fused SDPA op, or two `bmm` of the math kernel). Every replay is also announced to
@@ -43,6 +43,7 @@ __all__ = [
     "RecomputeCount",
     "counting_context",
     "count_calls",
+    "counted_update",
     "dispatched_ops",
     "ATTENTION_OPS",
     "dispatched_kernel",
@@ -190,6 +191,20 @@ class Region:
     cache: dict | None = field(
         default=None, repr=False
     )  # the selective policy's cache (torch's storage), if any
+    stored: int | None = None  # outputs torch's selective cache held when this region's recompute began
+
+
+def _cache_entries(cache: dict) -> int:
+    """Outputs a selective cache holds now (sentinels and consumed entries not counted), in either layout."""
+    return sum(_unread_entries(per_op) for per_op in cache.values())
+
+
+@contextmanager
+def _note_stored(region: Region):
+    """Entered first in the recompute: what torch stored in the forward, read before the recompute takes any."""
+    if region.stored is None and region.cache is not None:
+        region.stored = _cache_entries(region.cache)
+    yield
 
 
 @dataclass
@@ -242,7 +257,16 @@ class RecomputeCount:
         caches = [r.cache for r in self.regions if r.cache is not None]
         if not caches:
             return None
-        return sum(_unread_entries(per_op) for cache in caches for per_op in cache.values())
+        return sum(_cache_entries(cache) for cache in caches)
+
+    @property
+    def stored_ops(self) -> int | None:
+        """Measured in torch's selective caches, not the policy's answers: the outputs each region's cache held
+        after its forward (read when its recompute began; a region never recomputed, read now). None: no cache."""
+        regions = [r for r in self.regions if r.stored is not None or r.cache is not None]
+        if not regions:
+            return None
+        return sum(r.stored if r.stored is not None else _cache_entries(r.cache) for r in regions)
 
     def forget_caches(self) -> int | None:
         """Drop the references to the selective caches (and the unread outputs in them); returns what
@@ -314,7 +338,10 @@ def counting_context(count: RecomputeCount, policy: Callable | None = None) -> C
         region.cache = getattr(forward, "storage", None)
         return (
             _stacked(_OpCounter(region.forward), forward),
-            _stacked(_stacked(_OpCounter(region.recomputed), recompute), _OpCounter(region.replayed)),
+            _stacked(
+                _note_stored(region),
+                _stacked(_stacked(_OpCounter(region.recomputed), recompute), _OpCounter(region.replayed)),
+            ),
         )
 
     return context_fn
@@ -336,6 +363,17 @@ def count_calls(modules: Iterable[torch.nn.Module]) -> Iterator[Counter]:
     finally:
         for h in handles:
             h.remove()
+
+
+def counted_update(model, workload, baseline, *contexts) -> Counter:
+    """One more update's forward and backward (the workload's first window, from `baseline`'s fresh state) under
+    these strategy contexts: it fills the counters they carry; returns the MLP calls counted per layer."""
+    from trainmech import candidates  # it imports this module
+
+    with count_calls([layer.mlp for layer in model.model.layers]) as calls:
+        candidates.window_backward(workload.fresh_state(baseline), workload.windows[0], contexts=contexts)
+    model.zero_grad(set_to_none=True)
+    return calls
 
 
 class _Dispatched(TorchDispatchMode):

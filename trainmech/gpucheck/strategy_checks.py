@@ -15,8 +15,14 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from trainmech import ledger, profiles
-from trainmech.gpucheck.offload_overlap import overlap_claims, profiled_step, sleep_rate, stalling
+from trainmech import ledger, measure, profiles
+from trainmech.gpucheck.offload_overlap import (
+    measured_bound,
+    overlap_claims,
+    profiled_step,
+    sleep_rate,
+    stalling,
+)
 from trainmech.gpucheck.probe import Probe, forward_backward, require, same_gradients
 
 __all__ = [
@@ -59,7 +65,8 @@ def check_offload(probe: Probe) -> str:
     the sync debug mode "error", a third step profiled (copies on the side streams during kernels) and a fourth
     with the compute stream stalled after every D2H copy is queued (the copies hide behind the stalls); on a CPU with
     HostStreams (every copy done at once, every stream call logged, the log checked for order) the same four
-    steps, the sync debug mode skipped (there is no device to wait for), nothing hidden (a CPU copies in line)."""
+    steps, the sync debug mode skipped (there is no device to wait for); the overlap verdict's arithmetic is
+    checked on known intervals on both, the host's own intervals only printed (a CPU copies in line)."""
     from trainmech.offload import HostStreams, activation_offload
 
     model = probe.model()
@@ -115,8 +122,8 @@ def check_offload(probe: Probe) -> str:
         f"{len(copies.d2h_waits)} D2H / {len(copies.h2d_waits)} H2D waits for {st.offloaded} offloaded, "
         f"{st.prefetched + st.on_demand} fetched",
     )
-    require(st.transfer_time_s is not None and st.transfer_time_s > 0, f"transfer time {st.transfer_time_s}")
-    hidden_line = overlap_claims(probe, offloads[2], trace, offloads[3], stalls, origin)
+    bound = measured_bound(probe, model, batch, st.d2h_bytes, st.h2d_bytes)
+    hidden_line = overlap_claims(probe, offloads[2], trace, offloads[3], stalls, origin, bound)
     if probe.cuda:
         syncs = "the second step's hooks and finish() never synchronise (sync debug mode 'error')"
     else:
@@ -174,12 +181,14 @@ def check_save_on_cpu(probe: Probe) -> str:
     same, how = same_gradients(probe, ours, ref)
     require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
     saved = _saved_references(model, batch)
+    # The bytes are those of the host tensors torch's pack returned, each checked to be a pinned copy of its
+    # own (CountingSaveOnCpu raises otherwise); the plain hooks count what autograd handed in.
     require(
         st.packed == len(saved) == st.unpacked
         and st.unpacked_again == 0
         and st.d2h_bytes == st.h2d_bytes == sum(saved),
-        f"save_on_cpu counted {st.packed} references, {st.d2h_bytes:,} B; a plain pair of hooks saw "
-        f"{len(saved)}, {sum(saved):,} B",
+        f"save_on_cpu's host copies: {st.packed} holding {st.d2h_bytes:,} B; a plain pair of hooks saw "
+        f"{len(saved)} saved references, {sum(saved):,} B",
     )
     if probe.cuda:  # its copies run on the compute stream: the step grows by at least (most of) their time
         # The first step's events also time the pinned allocations (each pack misses the caching host allocator);
@@ -196,11 +205,6 @@ def check_save_on_cpu(probe: Probe) -> str:
             f"save_on_cpu on CUDA: copies {st.transfer_time_s * 1e3:.3f} ms, yet the step grew by only "
             f"{(moved_s - plain_s) * 1e3:.3f} ms ({plain_s * 1e3:.3f} -> {moved_s * 1e3:.3f} ms): not serial on the "
             f"compute stream",
-        )
-    else:
-        require(
-            st.transfer_time_s is None and st.exposed_transfer_time_s is None,
-            f"save_on_cpu off CUDA: transfer {st.transfer_time_s} s, exposed {st.exposed_transfer_time_s} s",
         )
     return (
         f"gradients equal ({how}); every one of {len(saved)} saved references moved, {st.d2h_bytes:,} B each way"
@@ -281,6 +285,29 @@ def check_gates(probe: Probe) -> str:
     return f"checkpoint candidate passes gates 1-4 (RNG, noise floor), keeps less per sequence; {measured}"
 
 
+# The record's measured peak against the allocator's over an untracked step: on CUDA within this many bytes (the
+# allocator's per-step extras are absolute; a first guess, not yet measured on a GPU), on a CPU (its allocator seen
+# by the profiler, temporaries inside ops included) within this share of it.
+PEAK_AGREEMENT_BYTES = 2 << 20
+PEAK_AGREEMENT_SHARE = 0.02
+
+
+def _allocator_peak(model, optimizer, batch, context) -> int:
+    """The allocator's peak over one untracked training step inside `context(model)` (no StorageTracker, no
+    ledger): the bytes allocated above the start, plus the parameters and optimizer states counted by storage."""
+    device = next(model.parameters()).device
+    states = (
+        v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.device == device
+    )
+    held = [*model.parameters(), *states]
+    state = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())
+    with context(model), measure.allocator_window(device, assume_start_bytes=state) as window:
+        model(**batch, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return window.peak_bytes - window.start_bytes + state
+
+
 def check_strategy_records(probe: Probe) -> str:
     from trainmech import candidates, gates, performance, strategy_records, tracing
     from trainmech.ledger.compare import MEASURED_PEAK_WITH
@@ -310,13 +337,8 @@ def check_strategy_records(probe: Probe) -> str:
         for s in ("baseline", "checkpoint")
     }
     steps = [ledger.tracked_step(model, state.optimizer, batch, None)]
-    if probe.cuda:
-        torch.cuda.synchronize(probe.device)
-        torch.cuda.reset_peak_memory_stats(probe.device)
     steps.append(ledger.tracked_step(model, state.optimizer, batch, candidates.activation_checkpointing))
-    direct = (
-        torch.cuda.max_memory_allocated(probe.device) if probe.cuda else None
-    )  # read here, not by the ledger
+    direct = _allocator_peak(model, state.optimizer, batch, candidates.activation_checkpointing)
     ledger_record = strategy_records.ledger_fields(
         "hf-checkpoint",
         books["checkpoint"],
@@ -327,41 +349,37 @@ def check_strategy_records(probe: Probe) -> str:
         min_bytes=None,
     )
     metrics = ledger_record["metrics"]
-    # the record's measured peak against numbers read apart from it: the parameters live through the step; on CUDA
-    # the allocator's own peak over the checkpointed step bounds it from above, on a CPU the baseline step's
-    # tracked peak (checkpointing keeps less)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # the record's measured peak against the allocator's peak over another, untracked checkpointed step plus the
+    # state bytes counted here (not by the ledger), and below the baseline step's (checkpointing keeps less)
     base_peak = ledger.Comparison(
         probe.model_name, probe.batch, probe.seq, "steady", books["baseline"], steps[0]
     ).measured_peak
     peak = metrics["measured_peak_bytes"]
+    within = PEAK_AGREEMENT_BYTES if probe.cuda else PEAK_AGREEMENT_SHARE * direct
     require(
         metrics["measured_with"] == MEASURED_PEAK_WITH["cuda" if probe.cuda else "cpu"]
         and peak is not None
-        and (peak <= direct if probe.cuda else peak < base_peak),
-        f"the state-ledger record's measured peak {peak} ({metrics['measured_with']!r}): parameters {param_bytes:,} B, "
-        + (
-            f"max_memory_allocated over the step {direct:,} B"
-            if probe.cuda
-            else f"baseline step {base_peak:,} B"
-        ),
+        and abs(peak - direct) <= within
+        and peak < base_peak,
+        f"the state-ledger record's measured peak {peak} ({metrics['measured_with']!r}): the allocator's peak over "
+        f"an untracked checkpointed step {direct:,} B (within {within:,.0f} B), the baseline step's {base_peak:,} B",
     )
-    tracked = fields["metrics"]["cpu_tracked_peak_bytes"]
     if probe.cuda:
         require(
-            tracked is None
-            and fields["resources"]["peak_reserved_bytes"] is not None
+            fields["resources"]["peak_reserved_bytes"] is not None
             and ledger_record["resources"]["peak_allocated_bytes"] is not None,
             f"record fields on CUDA: {fields['resources']}, ledger record {ledger_record['resources']}",
         )
     else:
+        tracked = fields["metrics"]["cpu_tracked_peak_bytes"]
         base_tracked = fields["metrics"]["baseline_cpu_tracked_peak_bytes"]
         require(
             tracked is not None and 0 < tracked < base_tracked,
             f"the record's tracked peak {tracked}, baseline {base_tracked}",
         )
     return (
-        f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}"
+        f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}; "
+        f"the record's peak {peak:,} B, the allocator's over an untracked step {direct:,} B"
         + (
             f"; median x{run.performance.step_time_median_s / run.reference_performance.step_time_median_s:.2f}"
             if probe.cuda

@@ -277,16 +277,16 @@ def render_rows(
     """One line per scenario, each peak with its change against the baseline of the same update and optimizer step;
     `measured_rows` ((strategy, update, optimizer step) -> (fwd+bwd, whole)) adds the measured columns."""
     base = {(r.update, r.optimizer_step): r for r in rows if r.strategy == "baseline"}
-    head = f"{'strategy':<11}{'update':<8}{'optimizer':<13}{'fwd+bwd peak':>16}{'change':>8}{'update peak':>16}{'change':>8}  peak at"
+    head = f"{'strategy':<11}{'update':<8}{'optimizer':<13}{'fwd+bwd peak':>16}{'fwd+bwd change':>16}{'update peak':>16}{'update change':>15}  peak at"
     lines = [head + ("" if measured_rows is None else f"{'measured fwd+bwd':>19}{'measured update':>17}")]
     for r in rows:
         b = base.get((r.update, r.optimizer_step))
         cells = []
-        for which in ("forward_backward", "whole"):
+        for which, width in (("forward_backward", 16), ("whole", 15)):
             value = _peak_bytes(r, which)
             cells.append(
                 f"{value / unit:>12.2f} {unit_name}"
-                + (f"{value / _peak_bytes(b, which) - 1:>+8.1%}" if b else f"{'':>8}")
+                + (f"{value / _peak_bytes(b, which) - 1:>+{width}.1%}" if b else f"{'':>{width}}")
             )
         line = f"{r.strategy:<11}{r.update:<8}{r.optimizer_step:<13}{cells[0]}{cells[1]}  {r.whole.phase}"
         if measured_rows is not None:

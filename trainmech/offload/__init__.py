@@ -22,13 +22,14 @@ from trainmech.offload.nominal import (
     step_flops,
 )
 from trainmech.offload.overlap import Overlap, overlap, trace_intervals
-from trainmech.offload.save_on_cpu import CountingSaveOnCpu, pack_copy_line
+from trainmech.offload.save_on_cpu import CountingSaveOnCpu, check_host_copy, pack_copy_line, pack_copy_note
 
 __all__ = [
     "ActivationOffload",
     "activation_offload",
     "describe",
     "CountingSaveOnCpu",
+    "check_host_copy",
     "HostArena",
     "HostStreams",
     "NOMINAL",
@@ -38,6 +39,7 @@ __all__ = [
     "host_arena",
     "overlap",
     "pack_copy_line",
+    "pack_copy_note",
     "restore_check",
     "step_flops",
     "flops_per_byte",

@@ -7,8 +7,8 @@ it the compute stream was busy too (hidden) and the rest (alone). The intervals 
 events (`CudaCopies.intervals`, and events around work queued on the compute stream) or from a
 torch.profiler trace (`trace_intervals`: kernels and device copies, each with its stream).
 
-Pure Python, the same on every device: a CPU test feeds it real host-clock intervals (a CPU copies
-in line with its compute, so nothing hides) and constructed ones that must and must not overlap.
+Pure Python, the same on every device: its tests, and gpu-check before it judges a GPU's intervals
+(`gpucheck.offload_overlap.arithmetic_self_check`), feed it intervals whose overlap is known.
 """
 
 from __future__ import annotations
