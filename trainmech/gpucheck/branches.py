@@ -319,8 +319,10 @@ KERNEL_CHOICE_CELLS = {
         None,
     ),
     "Task4:calculator-json": (
-        "the calculator picks the SDPA kernel by the ledger's rule (--device cuda, no --attention): claimed equal to "
-        "the kernel section 1's forward dispatched, and its peak within 5 % of the measured steady update",
+        "the calculator's rule (--device cuda, no --attention; it sees no GPU) printed beside the kernel section 1's "
+        "forward dispatched, then the calculator asked again with --attention <that kernel> and its peak bytes and "
+        "tick claimed equal to the measured steady update's prediction (the rule's own choice claimed only where "
+        "TERMS.torch_pinned, CPU)",
         None,
     ),
     "Task4:bf16-layer-saved": (
