@@ -124,7 +124,8 @@ PACKAGE = [
         "dropout, weighed "
         "by running the fused op on the GPU; foreach AdamW temporaries and AdamW's step counters on the host on CUDA; "
         "the warm-up's cuBLAS workspaces; lifecycles key by key within CUDA_LIFECYCLE_TOLERANCE; the allocator model's "
-        "peaks beside the allocator's own; bf16 forced math with and without dropout (fp32 upcasts, the bool dropout mask) "
+        "peaks beside the allocator's own, within Task4's DeviceTerms.allocator_model_tolerance and "
+        "reserved_model_tolerance; bf16 forced math with and without dropout (fp32 upcasts, the bool dropout mask) "
         "against the math inventory",
         check_ledger_on_device,
         8,
