@@ -1722,6 +1722,7 @@ def _as_a_cuda_run_records_it(pair):
         shape,
         pair.batch,
         pair.seq,
+        dtype=pair.predicted.setup.recipe,
         device="cuda",
         first_step=pair.step == "first",
         attention=pair.kernel,
@@ -1787,6 +1788,40 @@ def test_task4_section5_cells_run_with_cudas_choices_forced_on_a_cpu(cuda_forced
     inventory = sum(t.nbytes for t in bf16.predicted.layer_saved())
     added = bf16.measured.saved_added_per_layer(layers)
     assert max(abs(layer - inventory) for layer in added) <= terms.slack_bytes_per_layer
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_task4_calculator_cell_with_cudas_choices_forced_on_a_cpu(dtype, cuda_forced_pair, capsys):
+    """calculator-json on CUDA: torch is not pinned there and the calculator sees no GPU, so its rule may
+    name another kernel than the forward dispatched (bf16 on an H100 / H200: flash by the rule, cuDNN
+    dispatched; here bf16: flash by the rule, math forced). The cell prints the rule's kernel, asks again
+    with --attention <the dispatched kernel> and claims that answer byte for byte against the point's
+    prediction."""
+    terms = ledger.device_terms("cuda")
+    if dtype == "fp32":
+        first, steady = cuda_forced_pair
+    else:
+        first, steady = ledger.measure_point(
+            "qwen2-tiny", 2, 32, dtype=dtype, attention="math", optimizer_impl="foreach"
+        )
+    point = _as_a_cuda_run_records_it(steady)
+    assert first.kernel == "math" and point.predicted.setup.recipe == dtype
+
+    def calculator(*extra):
+        args = ["--config", "qwen2-tiny", "--batch", "2", "--seq", "32", "--dtype", dtype, "--device", "cuda"]
+        assert ledger.main([*args, "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert not terms.torch_pinned  # the cell's CUDA branch
+    rule = calculator()
+    assert rule["attention"] == ledger.attention_kernel(point.predicted.shape, dtype, "cuda")
+    if dtype == "bf16":  # the drift the guard is for: the rule's kernel and its peak are another kernel's
+        assert rule["attention"] == "flash" != first.kernel and rule["peak_bytes"] != point.predicted_peak
+    answer = calculator("--attention", first.kernel)
+    assert answer["attention"] == first.kernel and answer["step"] == "steady"
+    assert answer["optimizer_impl"] == point.predicted.setup.optimizer_impl == "foreach"
+    assert answer["peak_bytes"] == point.predicted_peak
+    assert answer["peak_tick"] == point.predicted.peak_overlap().tick
 
 
 @pytest.mark.parametrize("options", [{}, {"attention": "math"}, {"micro_batches": 2}])

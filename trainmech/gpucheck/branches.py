@@ -118,10 +118,14 @@ PACKAGE = [
             "ledger.cli.render",
         ),
         "kernel choice: the ledger predicts with the SDPA kernel the forward dispatched (cuDNN, flash, efficient or math; "
-        "its rule, math for fp32 GQA and efficient when padded, is held to the dispatched kernel on every device); the RNG seed and offset weighed "
+        "its rule on the stack, ledger.SdpaStack: cuDNN for 16-bit where the stack puts it first, else flash; fp32 GQA math "
+        "before torch EFFICIENT_GQA_SINCE, efficient when padded; held to the dispatched kernel where the profile pins "
+        "torch, DeviceTerms.torch_pinned, else a drift line); the cuDNN kernel's RNG seed and offset, flash's only with "
+        "dropout, weighed "
         "by running the fused op on the GPU; foreach AdamW temporaries and AdamW's step counters on the host on CUDA; "
         "the warm-up's cuBLAS workspaces; lifecycles key by key within CUDA_LIFECYCLE_TOLERANCE; the allocator model's "
-        "peaks beside the allocator's own; bf16 forced math with and without dropout (fp32 upcasts, the bool dropout mask) "
+        "peaks beside the allocator's own, within Task4's DeviceTerms.allocator_model_tolerance and "
+        "reserved_model_tolerance; bf16 forced math with and without dropout (fp32 upcasts, the bool dropout mask) "
         "against the math inventory",
         check_ledger_on_device,
         8,
@@ -253,14 +257,16 @@ NOTEBOOK_CELLS = {
     "ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer instead of byte for byte",
     "Task4:lifecycle-vs-measured": "lifecycles key by key within TERMS.lifecycle_tolerance (CUDA: ledger.CUDA_LIFECYCLE_TOLERANCE) "
     "instead of byte for byte",
-    "Task4:bytes-by-phase": "per-phase maxima within TERMS.phase_tolerance (CUDA 5 %, CPU byte for byte)",
-    "Task4:peak-composition": "the peak's composition by category within TERMS.composition_tolerance (CUDA 1 % of the peak, "
+    "Task4:bytes-by-phase": "per-phase maxima within TERMS.step_slack_bytes(layers) bytes (CUDA: SLACK once per layer, "
     "CPU byte for byte)",
+    "Task4:peak-composition": "the peak's composition by category within TERMS.step_slack_bytes(layers) bytes per category "
+    "(CUDA: SLACK once per layer, CPU byte for byte)",
     "Task4:baseline-peaks": "the byte-for-byte claim over every point is made where TERMS.exact_points (CPU only; CUDA: "
     "within 5 %, the count of exact points printed)",
     "Task4:cuda-allocator-peaks": "one path: ledger.allocator_pair keeps the CUDA-measured pair (the caching allocator counted), "
     "ledger.allocated_reserved replays CUDA's allocator model (PYTORCH_CUDA_ALLOC_CONF checked) and the model's allocated peak "
-    "is claimed within TERMS.allocator_model_tolerance of torch.cuda's; the warm-up's cuBLAS workspaces claimed > 0 "
+    "is claimed within TERMS.allocator_model_tolerance of torch.cuda's, its reserved peak within "
+    "TERMS.reserved_model_tolerance of torch.cuda's (CUDA only: the CPU allocator reports none); the warm-up's cuBLAS workspaces claimed > 0 "
     "(TERMS.blas_workspace_measured); the allocator history printed (CPU: the profiler's allocator, and the tracked "
     "tensors within 1 %)",
     "Task4:record-state-ledger": "the record's fields from ledger.record_fields(on_cuda=TERMS.on_cuda): the step's own "
@@ -319,24 +325,28 @@ NOTEBOOK_CELLS = {
 # them; an issue named is one whose fix they wait for.
 KERNEL_CHOICE_CELLS = {
     "Task4:layer-saved-inventory": (
-        "the inventory of the kernel ledger.attention_kernel's rule picks for this device (math for CUDA fp32 GQA), "
-        "printed as the rule's",
+        "the inventory of the kernel ledger.attention_kernel's rule picks for this device with no GPU seen (CUDA fp32 "
+        "GQA: math before torch EFFICIENT_GQA_SINCE, efficient from it), printed as the rule's",
         None,
     ),
     "Task4:measure-first-steady": (
-        "the kernel the forward dispatched claimed equal to the rule's on every device (a rule out of date for the "
-        "GPU's torch fails here); per-layer saved bytes "
+        "the kernel the forward dispatched beside the rule's on the stack it ran on (Comparison.kernel_line), claimed "
+        "equal only where TERMS.torch_pinned (CPU); on CUDA a rule out of date for the GPU's stack is a drift line, not "
+        "a failure; per-layer saved bytes "
         "against the dispatched kernel's inventory within SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer",
         None,
     ),
     "Task4:calculator-json": (
-        "the calculator picks the SDPA kernel by the ledger's rule (--device cuda, no --attention): claimed equal to "
-        "the kernel section 1's forward dispatched, and its peak within 5 % of the measured steady update",
+        "the calculator's rule (--device cuda, no --attention; it sees no GPU) printed beside the kernel section 1's "
+        "forward dispatched, then the calculator asked again with --attention <that kernel> and its peak bytes and "
+        "tick claimed equal to the measured steady update's prediction (the rule's own choice claimed only where "
+        "TERMS.torch_pinned, CPU)",
         None,
     ),
     "Task4:bf16-layer-saved": (
         "bf16 per-layer saved bytes against the dispatched kernel's inventory within SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer; its SDPA term "
-        "carries the RNG seed and offset weighed on this GPU (ledger.rng_state_saved)",
+        "carries the RNG seed and offset the dispatched kernel keeps on this GPU, weighed there (cuDNN keeps them on "
+        "the device; flash only with dropout; ledger.rng_state_saved)",
         None,
     ),
     "Task5:layer-saved-inventory": (

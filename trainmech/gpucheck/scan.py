@@ -5,7 +5,7 @@ A *site* is one place whose behaviour depends on running on CUDA:
 - a comparison with the string "cuda" or "cpu" (`device.type == "cuda"`, `device == "cpu"`, …),
 - a read of an `on_cuda` / `cuda` / `on_gpu` flag (`session.on_cuda`, `self.cuda`),
 - a call into `torch.cuda.*` (`torch.cuda.synchronize(...)`, `torch.cuda.Event(...)`),
-- in a notebook cell, a read of the page's device terms (`TERMS.phase_tolerance`, where
+- in a notebook cell, a read of the page's device terms (`TERMS.step_slack_bytes(...)`, where
   `TERMS = ledger.device_terms(DEVICE)`): the same code runs everywhere, with a value the device picks.
 
 Sites are grouped by where they live: `module.qualname` for the package (the function or class
