@@ -68,8 +68,8 @@ class TransferStats:
     host_chunks_allocated: int = (
         0  # host chunks this step had to allocate (0 once the arena holds a step's worth)
     )
-    transfer_time_s: float | None = None  # copy time, both directions (CUDA events; CountingSaveOnCpu: its whole
-    #                                         pack / unpack on the compute stream, a pinned allocation included)
+    # copy time, both directions (CUDA events; CountingSaveOnCpu: its whole pack / unpack on the compute stream)
+    transfer_time_s: float | None = None
     h2d_wait_s: float | None = None  # compute-stream time spent waiting for H2D copies
     d2h_wait_s: float | None = None  # compute-stream time spent waiting for D2H copies before a release
     attempt: int | None = None  # the run_trace attempt this pass trained in (candidates.Offloading.collect);
