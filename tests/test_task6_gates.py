@@ -10,6 +10,7 @@ rules are checked at their boundaries on plain numbers, the gates on small hand-
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -619,6 +620,25 @@ def test_an_offload_that_raises_lets_go_of_the_host_arena(gw):
         loss.backward()
     gw.model.zero_grad(set_to_none=True)
     assert len(offloading.collect()) == 1  # only the run that finished is kept
+
+
+def test_offloading_collects_the_passes_trained_with_tagged_by_attempt_not_the_teachers(gw, reference):
+    """A teacher whose weights at attempt 1 differ from the candidate's: run_trace runs a second, undone pass
+    per micro-batch there. collect() leaves those out (counted in undone_passes) and tags each pass it returns
+    with its attempt, so Task5's per-pass lists hold one entry per micro-batch the candidate trained with."""
+    teacher = copy.copy(reference.trace)
+    teacher.weights = [dict(w) for w in reference.trace.weights]
+    name = next(iter(teacher.weights[1]))
+    teacher.weights[1][name] = teacher.weights[1][name] + 1e-3  # off the candidate's own weights at attempt 1
+    offloading = candidates.Offloading(min_bytes=4096)
+    trace = tracing.run_trace(
+        candidates.candidate("offload", "TRAIN-OFFLOAD", offloading), gw, teacher=teacher
+    )
+    assert trace.error is None
+    passes = offloading.collect()
+    per_window = [len(w) for w in gw.windows]
+    assert offloading.undone_passes == per_window[1]  # attempt 1's teacher passes only
+    assert [s.attempt for s in passes] == [a for a, n in enumerate(per_window) for _ in range(n)]
 
 
 def test_window_transfers_counts_what_one_window_moves_and_leaves_no_gradients(gw):
@@ -1424,6 +1444,20 @@ RULE_TABLE = {
     (True, False, True, False): "costs-memory",
     (True, False, False, False): "costs-memory",
 }
+
+
+def test_the_performance_stage_reports_the_time_ratio_the_rule_judges(gpu_performance):
+    """Rounds where the ratio of the two medians (x2) is not the median of the paired per-round ratios (x1): the
+    stage's message says the latter with its bootstrap interval, as decide does."""
+    ref = gpu_performance(1.0, step_times_s=(1.0, 1.0, 2.0))
+    ours = gpu_performance(2.0, step_times_s=(2.0, 1.0, 2.0))
+    message = gate_report.performance_verdict(ours, ref).message
+    low, median, high = gates.timing_interval(ours, ref)
+    assert median == 1.0 and ours.step_time_median_s / ref.step_time_median_s == 2.0
+    assert message.startswith(
+        f"time x1.00 (median of the rounds' ratios; {gates.TIMING_INTERVAL:.0%} interval x{low:.2f} to x{high:.2f})"
+    )
+    assert "time x1.00 (median of the rounds' ratios" in gates.decide([], ours, ref)[1]
 
 
 def test_the_rule_table_by_hand_agrees_with_decide_on_performance_records_at_every_row(gpu_performance):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -51,6 +52,8 @@ __all__ = [
     "candidate",
     "activation_checkpointing",
     "checkpointing_kept_on",
+    "TRACED_PASS",
+    "traced_pass",
     "Offloading",
     "residual_dropout",
     "GateWorkload",
@@ -197,34 +200,61 @@ def checkpointing_kept_on(candidate: Candidate, model: torch.nn.Module) -> Itera
             del model._kept_checkpointing
 
 
+# The pass `tracing.run_trace` is running, while it runs one: (attempt, own). own is False for a pass whose effects
+# it undoes (a backward from the teacher's weights, the same window at a lower loss scale, the loss-scale
+# calibration, whose attempt is None). None outside run_trace. `Offloading` tags its runs with it.
+TRACED_PASS: ContextVar[tuple[int | None, bool] | None] = ContextVar("traced_pass", default=None)
+
+
+@contextmanager
+def traced_pass(attempt: int | None, own: bool) -> Iterator[None]:
+    """Inside, TRACED_PASS says which pass runs (tracing sets it around each backward it runs)."""
+    token = TRACED_PASS.set((attempt, own))
+    try:
+        yield
+    finally:
+        TRACED_PASS.reset(token)
+
+
 class Offloading:
     """Activation offload as a strategy context: one set of saved-tensor hooks per micro-batch,
     `offload.activation_offload(model, **offload_kwargs)` unless `hooks` (model -> hooks) says otherwise.
 
-    Every instance is kept (`runs`) until `collect()`: its bytes right away, its CUDA copy and wait
-    times once the timed steps are over (reading them waits for the device).
+    Every instance is kept (`runs`, with the TRACED_PASS it ran in) until `collect()`: its bytes right
+    away, its CUDA copy and wait times once the timed steps are over (reading them waits for the device).
     """
 
     def __init__(self, hooks: Callable[[torch.nn.Module], object] | None = None, **offload_kwargs) -> None:
         self.make = hooks or (lambda model: activation_offload(model, **offload_kwargs))
         self.runs: list = []
+        self.undone_passes = 0  # runs collect() left out: passes run_trace undid (see TRACED_PASS)
 
     @contextmanager
     def __call__(self, model: torch.nn.Module) -> Iterator[object]:
         """One instance around one micro-batch; `finish()` even when the block raised (a CUDA OOM, the candidate's
         own error): the shared host arena is let go, so the next instance can claim it. Only a run that
         finished is kept for `collect()`."""
-        hooks = self.make(model)
+        hooks, tag = self.make(model), TRACED_PASS.get()
         try:
             with hooks:
                 yield hooks
         finally:
             hooks.finish()
-        self.runs.append(hooks)
+        self.runs.append((tag, hooks))
 
     def collect(self) -> list:
-        """The TransferStats of every run since the last collect, times filled in (CUDA), and forget them."""
-        out = [hooks.read_times() for hooks in self.runs]
+        """The TransferStats of every run since the last collect, times filled in (CUDA), and forget them. Each
+        carries the run_trace attempt it ran in (`attempt`; None outside run_trace). The passes run_trace undoes
+        (TRACED_PASS's own False: from a teacher's weights, at a lower loss scale, calibrating it) are left out and
+        counted in `undone_passes`: what is returned are the passes the candidate trained with, one per micro-batch."""
+        out = []
+        for tag, hooks in self.runs:
+            if tag is not None and not tag[1]:
+                self.undone_passes += 1
+                continue
+            stats = hooks.read_times()
+            stats.attempt = None if tag is None else tag[0]
+            out.append(stats)
         self.runs = []
         return out
 

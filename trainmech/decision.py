@@ -31,6 +31,7 @@ __all__ = [
     "BOOTSTRAP_RESAMPLES",
     "round_ratios",
     "timing_interval",
+    "time_ratio_text",
     "timing_spread",
     "RuleInputs",
     "rule_inputs",
@@ -141,6 +142,13 @@ def timing_interval(perf: Performance, reference: Performance) -> tuple[float, f
         statistics.median(ratios),
         medians[int((1 - tail) * BOOTSTRAP_RESAMPLES) - 1],
     )
+
+
+def time_ratio_text(perf: Performance, reference: Performance) -> str:
+    """The time ratio as the rule judges it: the median of the paired per-round ratios and its bootstrap interval
+    (`timing_interval`), not the ratio of the two medians."""
+    low, median, high = timing_interval(perf, reference)
+    return f"time x{median:.2f} (median of the rounds' ratios; {TIMING_INTERVAL:.0%} interval x{low:.2f} to x{high:.2f})"
 
 
 def timing_spread(perf: Performance, reference: Performance) -> float:
@@ -354,7 +362,7 @@ def decide(
     speedup = max(rule.min_speedup, noise)
     return decide_measured(update, capacity, ratio, rule, noise, reserved), (
         f"allocated peak {-update:+.1%}, reserved {reserved:+.1%}, bytes per sequence {-capacity:+.1%}, "
-        f"time x{ratio:.2f} (median of the rounds' ratios; {TIMING_INTERVAL:.0%} interval x{low:.2f} to x{high:.2f}); "
+        f"{time_ratio_text(perf, reference)}; "
         f"accept: neither peak higher (≤ +{rule.no_higher_slack:.0%}) and either {-rule.min_peak_drop:+.0%} or "
         f"lower at ≤ x{rule.max_time_ratio:g}, or time ≤ x{1 - speedup:.2f}; costs-memory: no gain and a "
         f"peak higher; no-gain: neither"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from trainmech.candidates import Candidate, GateWorkload, MicroBatches
 from trainmech.checks import num
-from trainmech.decision import RECORD_DECISION, decide
+from trainmech.decision import RECORD_DECISION, decide, time_ratio_text
 from trainmech.display import format_table
 from trainmech.gates import (
     EVIDENCE_LEVEL,
@@ -230,7 +230,7 @@ def performance_verdict(perf: Performance, reference: Performance) -> Verdict:
     }
     if perf.on_gpu and reference.on_gpu:
         message = (
-            f"median x{perf.step_time_median_s / reference.step_time_median_s:.2f}, allocated peak "
+            f"{time_ratio_text(perf, reference)}, allocated peak "
             f"{perf.peak_allocated_bytes / reference.peak_allocated_bytes - 1:+.1%} (reserved "
             f"{perf.peak_reserved_bytes / reference.peak_reserved_bytes - 1:+.1%}), bytes per sequence "
             f"{perf.bytes_per_row / reference.bytes_per_row - 1:+.1%} vs the reference"

@@ -62,7 +62,9 @@ class StrategyRun:
     verdict: Verdict  # gate 2 against the baseline's trace
     recompute: RecomputeCount | None = None  # the aten ops of one update's checkpointed regions
     checkpointed_layers: list[int] | None = None
-    transfer: list[TransferStats] | None = None  # one per update
+    transfer: list[TransferStats] | None = (
+        None  # one per pass it trained with (Offloading.collect), tagged with its attempt
+    )
     performance: Performance | None = None
     reference_performance: Performance | None = None
     offload_settings: dict | None = None  # min_bytes, prefetch_groups, … as the strategy ran

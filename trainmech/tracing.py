@@ -25,7 +25,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainmech import amp, supervision
-from trainmech.candidates import Candidate, GateWorkload, calibrated_scale
+from trainmech.candidates import Candidate, GateWorkload, calibrated_scale, traced_pass
 from trainmech.checks import dtype_name
 from trainmech.performance import (
     ALLOCATOR_FIELDS,
@@ -387,7 +387,8 @@ def _begin(candidate: Candidate, workload: GateWorkload, seed: int) -> Trace:
     trace.held_out_before = held_out_loss(workload.model, workload.held_out)
     torch.manual_seed(seed)
     try:
-        trace.loss_scale, trace.scale_halvings = calibrated_scale(candidate, workload)
+        with traced_pass(None, own=False):
+            trace.loss_scale, trace.scale_halvings = calibrated_scale(candidate, workload)
     except Exception:  # the candidate's own failure: the traced attempts meet it again and keep it
         trace.loss_scale, trace.scale_halvings = None, 0
     return trace
@@ -429,11 +430,13 @@ class _Run:
         if forced:
             self.inputs.paused = True  # a second pass over the same window: not another input
             try:
-                judged = _from_weights(self.candidate, self.state, window, weights, params, self.watch)
+                with traced_pass(attempt, own=False):
+                    judged = _from_weights(self.candidate, self.state, window, weights, params, self.watch)
             finally:
                 self.inputs.paused = False
         self.watch.forget()
-        own = self.candidate.backward(self.state, window)
+        with traced_pass(attempt, own=True):
+            own = self.candidate.backward(self.state, window)
         return judged if forced else (float(own), self.watch.grads(params, self.state))
 
     def rescaled_backward(
@@ -460,7 +463,8 @@ class _Run:
                     self.state, scaler=amp.grad_scaler(device, self.state.precision, init_scale=scale)
                 )
                 _set_rng_states(device, rng)
-                _, grads = _from_weights(self.candidate, probe, window, weights, params, self.watch)
+                with traced_pass(attempt, own=False):
+                    _, grads = _from_weights(self.candidate, probe, window, weights, params, self.watch)
                 if all_finite(grads.values()):
                     break
         finally:

@@ -16,6 +16,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from trainmech import ledger, measure, profiles
+from trainmech.decision import time_ratio_text
 from trainmech.gpucheck.offload_overlap import (
     measured_bound,
     overlap_claims,
@@ -380,9 +381,5 @@ def check_strategy_records(probe: Probe) -> str:
     return (
         f"gate 2 passed; records filled for {probe.device.type}; ledger peak error {ledger_record['metrics']['peak_error']:+.2%}; "
         f"the record's peak {peak:,} B, the allocator's over an untracked step {direct:,} B"
-        + (
-            f"; median x{run.performance.step_time_median_s / run.reference_performance.step_time_median_s:.2f}"
-            if probe.cuda
-            else ""
-        )
+        + (f"; {time_ratio_text(run.performance, run.reference_performance)}" if probe.cuda else "")
     )

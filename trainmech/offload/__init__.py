@@ -11,7 +11,7 @@
 - `nominal`: compute or transfer — datasheet link and FP32 rates, and one step's FLOPs.
 """
 
-from trainmech.offload.book import OffloadBook, TransferStats, describe
+from trainmech.offload.book import OffloadBook, TransferStats, describe, per_pass
 from trainmech.offload.copies import HostArena, HostStreams, host_arena
 from trainmech.offload.hooks import ActivationOffload, activation_offload, restore_check
 from trainmech.offload.nominal import (
@@ -28,6 +28,7 @@ __all__ = [
     "ActivationOffload",
     "activation_offload",
     "describe",
+    "per_pass",
     "CountingSaveOnCpu",
     "check_host_copy",
     "HostArena",

@@ -21,11 +21,21 @@ reverse. Four rules:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainmech.errors import TrainmechError
 
-__all__ = ["EMBED_GROUP", "TransferStats", "describe", "References", "Entry", "OffloadBook"]
+__all__ = [
+    "EMBED_GROUP",
+    "TransferStats",
+    "pass_label",
+    "per_pass",
+    "describe",
+    "References",
+    "Entry",
+    "OffloadBook",
+]
 
 EMBED_GROUP = -1  # what the forward packs before the first decoder layer
 _KEPT = {"param": "kept_params", "small": "kept_small", "exempt": "kept_exempt"}  # keep_reason -> its counter
@@ -58,9 +68,12 @@ class TransferStats:
     host_chunks_allocated: int = (
         0  # host chunks this step had to allocate (0 once the arena holds a step's worth)
     )
-    transfer_time_s: float | None = None  # copy time, both directions (CUDA events)
+    # copy time, both directions (CUDA events; CountingSaveOnCpu: its whole pack / unpack on the compute stream)
+    transfer_time_s: float | None = None
     h2d_wait_s: float | None = None  # compute-stream time spent waiting for H2D copies
     d2h_wait_s: float | None = None  # compute-stream time spent waiting for D2H copies before a release
+    attempt: int | None = None  # the run_trace attempt this pass trained in (candidates.Offloading.collect);
+    #                             None: a pass outside run_trace
 
     @property
     def exposed_transfer_time_s(self) -> float | None:
@@ -71,12 +84,22 @@ class TransferStats:
         return self.h2d_wait_s + self.d2h_wait_s
 
 
-def describe(per_update: list[TransferStats]) -> str:
-    """Task5's printout of an offload's counts: the first update's saved references by what became of them, the
+def pass_label(stats: TransferStats) -> str:
+    """Which pass a TransferStats counts: its run_trace attempt, or "untraced" (a pass outside run_trace)."""
+    return "untraced" if stats.attempt is None else f"attempt {stats.attempt}"
+
+
+def per_pass(passes: list[TransferStats], value: Callable[[TransferStats], object]) -> str:
+    """One value per pass, each labelled with the pass (`pass_label`): 'attempt 0: 1, attempt 1: 0, …'."""
+    return ", ".join(f"{pass_label(s)}: {value(s)}" for s in passes)
+
+
+def describe(passes: list[TransferStats]) -> str:
+    """Task5's printout of an offload's counts: the first pass's saved references by what became of them, the
     bytes each way and when the H2D copies were issued, the stash and the host arena, the times (CUDA only), and
-    per update what varies (host chunks allocated, fetched copies never used, references read back). Times are
-    None off CUDA (and until read_times): said so."""
-    st = per_update[0]
+    per pass, labelled with its attempt (`pass_label`), what varies (host chunks allocated, fetched copies never
+    used, references read back). Times are None off CUDA (and until read_times): said so."""
+    st = passes[0]
     times = f"transfer_time_s = {st.transfer_time_s}   exposed_transfer_time_s = {st.exposed_transfer_time_s}"
     return "\n".join(
         [
@@ -86,10 +109,10 @@ def describe(per_update: list[TransferStats]) -> str:
             f"D2H {st.d2h_bytes:,} B   H2D {st.h2d_bytes:,} B   H2D issued before the backward asked: "
             f"{st.prefetched} of {st.offloaded}, issued when it asked: {st.on_demand}",
             f"device bytes held until their D2H was waited for: at most {st.stash_peak_bytes:,} B; host arena: "
-            f"{st.host_peak_bytes:,} B; host chunks allocated per update: {[s.host_chunks_allocated for s in per_update]}",
+            f"{st.host_peak_bytes:,} B; host chunks allocated by pass: {per_pass(passes, lambda s: s.host_chunks_allocated)}",
             times + ("" if st.transfer_time_s is not None else "   (CPU: not meaningful, recorded as null)"),
-            f"H2D copies the backward never used: {[s.fetched_unused for s in per_update]}; saved references read back "
-            f"(of those packed), read again: {[(s.unpacked, s.packed, s.unpacked_again) for s in per_update]}",
+            f"H2D copies the backward never used, by pass: {per_pass(passes, lambda s: s.fetched_unused)}; saved references "
+            f"read back (of those packed), read again: {per_pass(passes, lambda s: (s.unpacked, s.packed, s.unpacked_again))}",
         ]
     )
 

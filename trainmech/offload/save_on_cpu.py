@@ -6,7 +6,7 @@ other strides). On CUDA the host buffer is pinned memory from the caching host a
 is `non_blocking`, and whether the D2H `copy_` is too depends on the torch version (older ones copy
 synchronously, so the host waits at every pack): `pack_copy_line()` reads it from the installed
 source. Either way every copy is queued on the compute stream, so none overlaps with compute and its
-whole time is exposed (its wait is its copy time). Off CUDA torch does not pin, and the "H2D"
+whole time is exposed (its wait is its pack / unpack time). Off CUDA torch does not pin, and the "H2D"
 `.to(device)` hands back the host tensor itself; the bytes are counted all the same (they are what a
 GPU run moves).
 
