@@ -183,6 +183,11 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     assert selective.kept_unread_ops == LAYERS
     # … measured in torch's selective caches after the backward: one unconsumed entry per layer
     assert selective.left_in_cache_ops == LAYERS and full.left_in_cache_ops is None
+    # … each one down_proj's output (batch × tokens × hidden, float32): the bytes they hold through the backward
+    assert (
+        selective.left_in_cache_bytes == LAYERS * B * T * model.config.hidden_size * 4
+        and full.left_in_cache_bytes is None
+    )
     report = strategy_records.recompute_report(
         {"per-layer": full, "selective": selective},
         dispatched,
