@@ -41,6 +41,7 @@ __all__ = [
     "save_matmuls",
     "Region",
     "RecomputeCount",
+    "same_replays",
     "counting_context",
     "count_calls",
     "counted_update",
@@ -383,6 +384,20 @@ def count_calls(modules: Iterable[torch.nn.Module]) -> Iterator[Counter]:
     finally:
         for h in handles:
             h.remove()
+
+
+def same_replays(full: RecomputeCount, part: RecomputeCount, part_layers: list[int], num_layers: int) -> bool:
+    """Whether each region of `part` (only `part_layers` checkpointed) recomputed, op by op in order, what `full`
+    (all `num_layers` checkpointed) recomputed for the same layer in the same forward. Both keep one region per
+    checkpointed layer call, in run order, forward after forward: region j of `part` is layer
+    part_layers[j % len(part_layers)] of forward j // len(part_layers)."""
+    k = len(part_layers)
+    if k == 0 or len(part.regions) * num_layers != len(full.regions) * k:
+        return False
+    return all(
+        region.recomputed == full.regions[j // k * num_layers + part_layers[j % k]].recomputed
+        for j, region in enumerate(part.regions)
+    )
 
 
 def counted_update(model, workload, baseline, *contexts) -> Counter:
