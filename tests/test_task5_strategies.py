@@ -183,15 +183,14 @@ def test_selective_checkpoint_saves_what_a_plain_forward_dispatched(model, batch
     assert selective.kept_unread_ops == LAYERS
     # … measured in torch's selective caches after the backward: one unconsumed entry per layer
     assert selective.left_in_cache_ops == LAYERS and full.left_in_cache_ops is None
-    report = strategy_records.recompute_report(
-        {"per-layer": full, "selective": selective},
-        dispatched,
-        dispatched,
-        rule=kernel,
-        ran=kernel,
-        device="cpu",
+    # … each one down_proj's output (batch × tokens × hidden, float32): the bytes they hold through the backward
+    assert (
+        selective.left_in_cache_bytes == LAYERS * B * T * model.config.hidden_size * 4
+        and full.left_in_cache_bytes is None
     )
-    assert f"the ledger's rule says {kernel}; the plain forward dispatched {kernel}" in report
+    report = strategy_records.recompute_report({"per-layer": full, "selective": selective})
+    dispatch = strategy_records.dispatch_report(dispatched, dispatched, rule=kernel, ran=kernel, device="cpu")
+    assert f"the ledger's rule says {kernel}; the plain forward dispatched {kernel}" in dispatch
     row = next(line.split() for line in report.splitlines() if line.startswith("selective "))
     assert row == [
         "selective",
@@ -1123,3 +1122,16 @@ def test_offload_refuses_a_saved_tensor_modified_in_place_after_pack():
     y.mul_(2)
     with pytest.raises(TrainmechError, match="modified in place after ActivationOffload packed it"):
         z.backward()
+
+
+def test_same_replays_maps_each_partial_region_to_its_layer_in_the_full_run():
+    def ops(layer, fwd):  # a region's recomputed ops, distinct per layer and forward
+        return [f"op{layer}.{fwd}"]
+
+    full = C.RecomputeCount(regions=[C.Region(recomputed=ops(i, f)) for f in range(2) for i in range(4)])
+    half = C.RecomputeCount(regions=[C.Region(recomputed=ops(i, f)) for f in range(2) for i in (0, 2)])
+    assert C.same_replays(full, half, [0, 2], 4)
+    assert not C.same_replays(full, half, [1, 3], 4)  # the wrong layers
+    swapped = C.RecomputeCount(regions=[C.Region(recomputed=ops(i, 1 - f)) for f in range(2) for i in (0, 2)])
+    assert not C.same_replays(full, swapped, [0, 2], 4)  # the right layers of the other forward
+    assert not C.same_replays(full, C.RecomputeCount(regions=half.regions[:3]), [0, 2], 4)  # a region missing

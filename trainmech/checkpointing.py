@@ -41,6 +41,7 @@ __all__ = [
     "save_matmuls",
     "Region",
     "RecomputeCount",
+    "same_replays",
     "counting_context",
     "count_calls",
     "counted_update",
@@ -199,6 +200,20 @@ def _cache_entries(cache: dict) -> int:
     return sum(_unread_entries(per_op) for per_op in cache.values())
 
 
+def _cache_bytes(cache: dict) -> int:
+    """Bytes of the storages behind the outputs a selective cache holds now (each storage once), in either layout."""
+    entries = [
+        e for per_op in cache.values() for e in (per_op.values() if isinstance(per_op, dict) else per_op)
+    ]
+    leaves = [getattr(x, "val", x) for x in torch.utils._pytree.tree_leaves(entries)]
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in leaves
+        if isinstance(t, torch.Tensor)
+    }
+    return sum(storages.values())
+
+
 @contextmanager
 def _note_stored(region: Region):
     """Entered first in the recompute: what torch stored in the forward, read before the recompute takes any."""
@@ -258,6 +273,12 @@ class RecomputeCount:
         if not caches:
             return None
         return sum(_cache_entries(cache) for cache in caches)
+
+    @property
+    def left_in_cache_bytes(self) -> int | None:
+        """Measured like `left_in_cache_ops`: the bytes of the storages behind those unread outputs. None: no cache."""
+        caches = [r.cache for r in self.regions if r.cache is not None]
+        return sum(_cache_bytes(cache) for cache in caches) if caches else None
 
     @property
     def stored_ops(self) -> int | None:
@@ -363,6 +384,20 @@ def count_calls(modules: Iterable[torch.nn.Module]) -> Iterator[Counter]:
     finally:
         for h in handles:
             h.remove()
+
+
+def same_replays(full: RecomputeCount, part: RecomputeCount, part_layers: list[int], num_layers: int) -> bool:
+    """Whether each region of `part` (only `part_layers` checkpointed) recomputed, op by op in order, what `full`
+    (all `num_layers` checkpointed) recomputed for the same layer in the same forward. Both keep one region per
+    checkpointed layer call, in run order, forward after forward: region j of `part` is layer
+    part_layers[j % len(part_layers)] of forward j // len(part_layers)."""
+    k = len(part_layers)
+    if k == 0 or len(part.regions) * num_layers != len(full.regions) * k:
+        return False
+    return all(
+        region.recomputed == full.regions[j // k * num_layers + part_layers[j % k]].recomputed
+        for j, region in enumerate(part.regions)
+    )
 
 
 def counted_update(model, workload, baseline, *contexts) -> Counter:

@@ -13,7 +13,8 @@ GPU evidence, never printed) and the allocator fields are null, the tracked tens
 measured peak is Task4's (`ledger.Comparison`: every tensor alive, parameters and optimizer states included),
 under Task4's names: `metrics.tracked_peak_bytes` on any device, `metrics.cpu_tracked_peak_bytes` the same number
 where it is the peak measured (a CPU). `record_lines` prints what a record holds and which field is the peak;
-`recompute_report` where a checkpointed forward's ops went in the backward.
+`recompute_report` where a checkpointed forward's ops went in the backward; `dispatch_report` what a selective
+policy decides on (the dispatched matmul and attention ops).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = [
     "saved_outside_layers",
     "saved_gone_before",
     "recompute_report",
+    "dispatch_report",
 ]
 
 MEASURED_WITH = {
@@ -353,19 +355,10 @@ def fetched_back(book: ledger.Ledger, tick: str) -> tuple[dict[int, str], int]:
     return dict(sorted(fetched.items())), alive
 
 
-def recompute_report(
-    counts: dict[str, RecomputeCount],
-    dispatched: Counter,
-    expected: Counter,
-    *,
-    rule: str,
-    ran: str | None,
-    device: str,
-) -> str:
-    """Task5's printout of recompute counts: the attention kernel (the ledger's rule beside the one dispatched);
-    per strategy, where the forward's ops went in the backward (kept, read from the cache, kept unread,
-    recomputed, skipped by the early stop); the skipped ops by name; what the last strategy recomputed by name;
-    the matmul and attention ops a plain forward dispatched, beside those expected by name."""
+def recompute_report(counts: dict[str, RecomputeCount]) -> str:
+    """Task5's printout of recompute counts: per strategy, where the forward's ops went in the backward (kept,
+    read from the cache, kept unread, recomputed, skipped by the early stop); the skipped ops by name; what the
+    last strategy recomputed by name."""
     header = [
         "per update",
         "forward ops",
@@ -390,10 +383,21 @@ def recompute_report(
     last = list(counts)[-1]
     return "\n".join(
         [
-            f"attention kernel: the ledger's rule says {rule}; the plain forward dispatched {ran}",
             format_table(header, rows),
             f"skipped by the early stop, by op: { {n: dict(sorted(c.skipped_by_op.items())) for n, c in counts.items()} }",
             f"recomputed by op ({last}, per update): {dict(sorted(counts[last].recomputed_by_op.items()))}",
+        ]
+    )
+
+
+def dispatch_report(
+    dispatched: Counter, expected: Counter, *, rule: str, ran: str | None, device: str
+) -> str:
+    """Task5's printout of what a selective policy decides on: the attention kernel (the ledger's rule beside the
+    one dispatched), the matmul and attention ops a plain forward dispatched, beside those expected by name."""
+    return "\n".join(
+        [
+            f"attention kernel: the ledger's rule says {rule}; the plain forward dispatched {ran}",
             f"matmul and attention ops one plain forward dispatches in the layers: {dict(sorted(dispatched.items()))}",
             f"expected by name ({ran or rule} attention on {device}): {dict(sorted(expected.items()))}",
         ]

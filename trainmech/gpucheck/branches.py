@@ -354,7 +354,7 @@ KERNEL_CHOICE_CELLS = {
         "saved bytes equal to the inventory plus the saved tensors outside the layers claimed on CPU only",
         None,
     ),
-    "Task5:selective": (
+    "Task5:selective-dispatch": (
         "the matmul and attention ops a grad-enabled forward dispatched against checkpointing.expected_matmul_ops "
         "(7 projections per layer and the attention of the kernel the forward dispatched, "
         "checkpointing.dispatched_kernel: one fused SDPA op, or two bmm with the math kernel; ledger.attention_kernel's "

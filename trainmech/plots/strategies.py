@@ -58,14 +58,16 @@ def strategy_timelines(
     from matplotlib.patches import Patch
 
     shades = [
-        Patch(color=c, alpha=0.2, label=p)
+        Patch(color=c, alpha=0.3, label=p)
         for p, c in (
             ("forward + loss", "tab:blue"),
             ("backward", "tab:orange"),
             ("update + zero_grad", "tab:gray"),
         )
     ]
-    fig.legend(handles=shades, loc="outside lower center", ncols=3, fontsize=7, frameon=False)
+    fig.legend(
+        handles=shades, loc="outside lower center", ncols=3, fontsize=9, frameon=False, handlelength=2.5
+    )
     return fig
 
 
