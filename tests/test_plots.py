@@ -68,6 +68,8 @@ def test_gate_matrix_marks_what_was_not_run_and_what_was_not_measured():
     marks = [t.get_text() for t in fig.axes[0].texts]
     assert marks.count("○") == 1 and marks.count("·") == 3 and marks.count("—") == 1
     assert marks.count("✓") == 9 and marks.count("✗") == 1
+    ruled = plots.gate_matrix(rows, list(gates.GATES), breaks=(1,))  # a rule under the planted bugs
+    assert [line.get_ydata()[0] for line in ruled.axes[0].lines] == [1]
 
 
 @pytest.mark.task4

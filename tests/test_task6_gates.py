@@ -1086,9 +1086,16 @@ def test_the_gradient_error_figure_names_the_floor_of_its_scale():
     from trainmech import plots
 
     fig = plots.grad_errors(
-        ["a", "b"], {"x": [1e-6, 1e-5]}, {"x": 1e-4}, against="the reference run", floor=gates.GRAD_FLOOR
+        ["a", "b"],
+        {"x": [1e-6, 1e-5]},
+        {"x": 1e-4},
+        against="the reference run",
+        floor=gates.GRAD_FLOOR,
+        symbol="g_ref",
+        where="attempt 0",
     )
-    assert f"{gates.GRAD_FLOOR:g} x the largest |the reference run|" in fig.axes[0].get_xlabel()
+    assert f"{gates.GRAD_FLOOR:g} x the largest |g_ref|" in fig.axes[0].get_xlabel()
+    assert fig.axes[0].get_title().endswith("attempt 0")
     assert "max(" not in plots.grad_errors(["a"], {"x": [1e-6]}, {"x": 1e-4}).axes[0].get_xlabel()
 
 

@@ -387,7 +387,9 @@ def updates_gate(
         "loss_scale_halvings": candidate.scale_halvings,
         "scaler_skips": overflowed,
     }
-    too_many = len(overflowed) > MAX_SCALER_SKIP_FRACTION * (want + len(skipped_by_scaler))
+    # the reference's effective updates before it was held to the candidate's skips
+    ref_effective = want + len(skipped_by_scaler)
+    too_many = len(overflowed) > MAX_SCALER_SKIP_FRACTION * ref_effective
     mismatch = next((k for k, (a, b) in enumerate(zip(candidate.lrs, lrs)) if a != b), None)
     evidence["first_lr_mismatch"] = mismatch
     off_clock = (
@@ -401,7 +403,7 @@ def updates_gate(
         (
             too_many,
             f"GradScaler skipped {len(overflowed)} attempts the reference stepped ({overflowed}): more than "
-            f"{MAX_SCALER_SKIP_FRACTION:.0%} of its effective updates, the loss scale is not settled",
+            f"{MAX_SCALER_SKIP_FRACTION:.0%} of the reference's {ref_effective} effective updates, the loss scale is not settled",
         ),
         (effective != want, f"{effective} effective updates, the reference made {want}"),
         (

@@ -307,11 +307,13 @@ NOTEBOOK_CELLS = {
     "float16 tolerance's first GPU calibration)",
     "Task6:noise-floor": "the bitwise reference rerun is claimed on CPU only; on CUDA the 16-bit tolerance is marked "
     "not yet calibrated on a GPU",
-    "Task6:strategy-table": "the exact moved layer inputs are claimed on CPU only, the tracked-bytes identity of "
+    "Task6:strategy-table": "the exact moved layer inputs, fp16's per-sequence drop beyond its tracked drop and "
+    "checkpoint+fp16's tracked bytes below both are claimed on CPU only, the tracked-bytes identity of "
     "checkpoint+offload on CPU only and only where the prefetch window covers every layer",
     "Task6:quality-gate-adam-eps": "the float32 candidates' held-out loss bitwise equal to the reference's is claimed on "
-    "CPU only (a GPU's atomics may reorder sums: there the quality table reads within)",
-    "Task6:performance-rule": "the checkpoint candidate's measured d, c and peak phase against the ledger's prediction "
+    "CPU only (a GPU's atomics may reorder sums: there the quality table reads within), and so is every quality "
+    "bound narrower than another seed's held-out difference",
+    "Task6:performance-against-ledger": "the checkpoint candidate's measured d, c and peak phase against the ledger's prediction "
     "for this run's workload (padded, residual dropout) within tolerances from its CUDA phase tolerance, and the "
     "time ratio's interval half-width at most min_speedup (CPU: the GPU shape's prediction alone, no claim)",
     "Task6:run-registries": "the records this page wrote, each with a record of the same experiment and workload in the "

@@ -53,13 +53,16 @@ def grad_errors(
     *,
     against: str = "autograd",
     floor: float | None = None,
+    symbol: str | None = None,
+    where: str = "",
 ):
     """Relative error of every parameter's gradient against a reference (`against`: autograd in Task2, the
     reference run in Task6), one marker series per comparison (log scale, parameters listed top to bottom
     in model order, readable names). A series with a tolerance gets it as a dashed line of its colour, named
     in the legend; one without (a planted bug) is drawn as red crosses, so the gap between a rounding error
     and a wrong formula reads off one axis. `floor`: the errors' scale is at least this share of the largest
-    reference gradient of all (Task6's gates.GRAD_FLOOR), and the axis label says so."""
+    reference gradient of all (Task6's gates.GRAD_FLOOR), and the axis label says so. `symbol`: the reference
+    gradient's name in the axis label (default `against`); `where`: which pass the errors are from, for the title."""
     fig, (ax,) = figure(1, 7.6, max(3.6, 0.2 * len(names) + 1.2))
     rows = list(range(len(names)))
     for (label, values), colour in zip(errors.items(), ("tab:blue", "tab:orange", "tab:red")):
@@ -76,15 +79,16 @@ def grad_errors(
             ax.axvline(tol, color=colour, ls="--", lw=0.8, label=f"{label}: tolerance {tol:.0e}")
     ax.set_yticks(rows, names, fontsize=7)
     ax.invert_yaxis()
+    ref = symbol or against
     ax.set(
         xscale="log",
         xlabel=(
-            f"max|Δ| / max(max|{against}|, {floor:g} x the largest |{against}| of all parameters)\n"
+            f"max|Δ| / max(max|{ref}|, {floor:g} x the largest |{ref}| of all parameters)\n"
             if floor is not None  # a parameter's scale is floored: the label says by what
-            else f"max|Δ| / max|{against}|  "
+            else f"max|Δ| / max|{ref}|  "
         )
         + "(dashed: each series' tolerance)",
-        title=f"every parameter gradient vs {against}",
+        title=f"every parameter gradient vs {against}" + (f", {where}" if where else ""),
     )
     fig.legend(loc="outside lower center", ncols=min(len(errors) * 2, 4), fontsize=7, frameon=False)
     ax.grid(alpha=0.3, axis="x")

@@ -71,10 +71,11 @@ def strategy_timelines(
     return fig
 
 
-def gate_matrix(rows: dict[str, list[bool | str | None]], gates: list[str]):
+def gate_matrix(rows: dict[str, list[bool | str | None]], gates: list[str], breaks: tuple[int, ...] = ()):
     """Candidates × stages: ✓ passed (green), ✗ failed (red), — "measured" (blue: the performance stage, no
     pass / fail), · not run because an earlier gate failed (grey), ○ "not measured" (white: a check of the
-    gates only, the performance stage left out on purpose)."""
+    gates only, the performance stage left out on purpose). `breaks`: row indices a rule is drawn above
+    (Task6: the planted bugs above, their twins and the real candidates below)."""
     from matplotlib.patches import Rectangle
 
     fig, (ax,) = figure(1, 1.1 * len(gates) + 3.4, 0.36 * len(rows) + 0.9)
@@ -95,9 +96,12 @@ def gate_matrix(rows: dict[str, list[bool | str | None]], gates: list[str]):
                 mark,
                 ha="center",
                 va="center",
-                color="dimgray" if passed in (None, "not measured") else "white",
-                fontsize=10,
+                color="black" if passed in (None, "not measured") else "white",
+                fontsize=16 if passed is None else 10,  # a dot at 10 points is lost in the grey
+                fontweight="bold" if passed is None else "normal",
             )
+    for row in breaks:
+        ax.axhline(row, color="black", lw=1.5)
     ax.set(xlim=(0, len(gates)), ylim=(len(rows), 0))
     ax.set_xticks([j + 0.5 for j in range(len(gates))], gates)
     ax.set_yticks([i + 0.5 for i in range(len(rows))], list(rows), fontsize=8)
