@@ -34,7 +34,8 @@ __all__ = [
     "timing_spread",
     "RuleInputs",
     "rule_inputs",
-    "drop_tolerance",
+    "LedgerBand",
+    "block_excess",
     "ledger_inputs",
     "measured_phase",
     "against_ledger",
@@ -153,7 +154,8 @@ def timing_spread(perf: Performance, reference: Performance) -> float:
 @dataclass(frozen=True)
 class RuleInputs:
     """The numbers `decide_measured` judges, from a candidate's measurements beside the reference's (`rule_inputs`)
-    or predicted by the ledger (`ledger_inputs`; no time there: `time_ratio` None)."""
+    or predicted by the ledger (`ledger_inputs`; no time there: `time_ratio` None, and with the ledger's bytes
+    and the bands, (below, above), a measurement of each may lie within, in bytes: `LedgerBand`)."""
 
     update_drop: float  # d: 1 - the whole update's allocated peak / the reference's
     capacity_gain: float  # c: 1 - the bytes one more sequence adds / the reference's
@@ -163,11 +165,31 @@ class RuleInputs:
     )
     phase: str | None = None  # the ledger's: where the candidate's whole-update peak sits
     shape: str = ""  # the ledger's: the model and one micro-batch, in words
-    update_tolerance: float | None = None  # the ledger's: how far a measured d may lie from its d
-    update_over_backward: float | None = (
-        None  # the ledger's: its whole-update peak / its forward + backward peak - 1
+    saved: LedgerBand | None = None  # the ledger's: the whole update's peak, reference - candidate (bytes)
+    saved_per_row: LedgerBand | None = None  # … what one more sequence adds, reference - candidate (bytes)
+    update_over_backward: LedgerBand | None = (
+        None  # … the candidate's whole-update peak - its forward + backward's
     )
-    capacity_tolerance: float | None = None  # … and a measured c from its c
+
+
+@dataclass(frozen=True)
+class LedgerBand:
+    """A byte count the ledger predicts, and how far below and above it a measurement may lie (`ledger_inputs`)."""
+
+    bytes: float
+    below: float
+    above: float
+
+    def holds(self, measured: float) -> bool:
+        return self.bytes - self.below <= measured <= self.bytes + self.above
+
+    def words(self, measured: float) -> str:
+        low, high = self.bytes - self.below, self.bytes + self.above
+        return (
+            f"measured {measured:,.0f} B, the ledger {self.bytes:,.0f} B, "
+            + ("within" if self.holds(measured) else f"{measured - self.bytes:+,.0f} B apart, outside")
+            + f" [{low:,.0f}, {high:,.0f}] B"
+        )
 
 
 def rule_inputs(perf: Performance, reference: Performance) -> RuleInputs:
@@ -181,20 +203,29 @@ def rule_inputs(perf: Performance, reference: Performance) -> RuleInputs:
     )
 
 
-def drop_tolerance(drop: float, relative: float) -> float:
-    """How far a drop 1 - a/b can move when a and b each move by up to `relative` of themselves: a larger, b
-    smaller gives the widest, (1 - drop)·2·relative/(1 - relative)."""
-    return (1 - drop) * 2 * relative / (1 - relative)
+def block_excess(book, peak) -> int:
+    """The most the CUDA allocator's allocated count can exceed the ledger's tensor bytes at `peak` (a tick of
+    `book`) on what the step itself allocated: every tensor alive there and born in the step is one block, which
+    allocated counts whole — its size rounded up to 512 B, and a cached block handed out unsplit holds what is
+    left of it: under 512 B in the small pool, up to 1 MiB in the large one (CUDACachingAllocator's round_size
+    and should_split; `ledger.allocator`). What lived before the step (parameters, gradients, moments) is the
+    same for a candidate and its reference and cancels. Kernel scratch allocated at that very moment is not
+    counted (the ledger has none)."""
+    from trainmech.ledger.allocator import BLOCK_ROUND, SMALL_BLOCK, _pieces
+    from trainmech.ledger.clock import AFTER, BEFORE
+
+    order = {t: k for k, t in enumerate(book.ticks)}
+    at = order[peak.tick]
+    excess = 0
+    for st in book.states:
+        born = st.created != BEFORE and order[st.created] <= at
+        if born and (st.released_at == AFTER or order[st.released_at] >= at):
+            for n in _pieces(book, st):
+                excess += BLOCK_ROUND + (SMALL_BLOCK if n > SMALL_BLOCK else BLOCK_ROUND)
+    return excess
 
 
-def ledger_inputs(
-    spec,
-    strategy: str,
-    *,
-    padded: bool = False,
-    residual_dropout: bool = False,
-    relative: float | None = None,
-) -> RuleInputs:
+def ledger_inputs(spec, strategy: str, *, padded: bool = False, residual_dropout: bool = False) -> RuleInputs:
     """d and c the ledger predicts for `strategy` against the baseline on a CUDA workload `spec`
     (profiles.Workload: model, batch, seq, micro_batches): a steady update with foreach AdamW, one micro-batch
     of it as the second of a window (the gradients already exist); c from the forward + backward peak at 2 and 4 times
@@ -202,16 +233,16 @@ def ledger_inputs(
     right-padded (an attention mask: fp32 runs SDPA's efficient kernel on K and V repeated to every head);
     residual_dropout: the MLP outputs are dropped out (the gate workload's), whose masks are kept.
 
-    With the phase of the candidate's whole-update peak come the tolerances a measurement is held to
-    (`update_tolerance`, `capacity_tolerance`): each of the two quantities a drop is the ratio of (two peaks for
-    d, two per-row slopes for c) may differ from the ledger by `relative` of itself (default: the ledger's CUDA
-    tolerance for the allocator model against the allocator's measured allocated peak,
-    `ledger.device_terms("cuda").allocator_model_tolerance`: d and c are measured on allocated peaks), `drop_tolerance`
-    of the drop."""
+    With them come the ledger's bytes a measurement is held to (`against_ledger`), each a `LedgerBand`: the bytes
+    the whole update's peak saves (`saved`), the bytes per sequence it saves (`saved_per_row`), and how far the
+    candidate's whole-update peak lies above its forward + backward peak (`update_over_backward`). Each measured
+    peak may differ from the ledger's by Task4's byte slack on CUDA, `ledger.device_terms("cuda").step_slack_bytes`
+    (the per-layer slack once per decoder layer), either way, and lie above it by the allocator's rounding of the
+    blocks alive there (`block_excess`), never below; a difference of two peaks inherits the first's excess above
+    and the second's below, a slope over 2 x rows divides them by it (and a byte for the slope's integer division)."""
     from trainmech import ledger  # imported here: the rule itself needs no model shapes
 
     rows = spec.batch // spec.micro_batches[0]
-    relative = ledger.device_terms("cuda").allocator_model_tolerance if relative is None else relative
 
     def book(name: str, batch_rows: int):
         return ledger.scenario_ledger(
@@ -227,68 +258,89 @@ def ledger_inputs(
             residual_dropout=residual_dropout,
         )  # micro-batch 2 of 2: the window's gradients already exist
 
-    def per_row(name: str) -> float:
-        return (
-            book(name, 4 * rows).forward_backward_peak().bytes
-            - book(name, 2 * rows).forward_backward_peak().bytes
-        ) / (2 * rows)
+    books = {(name, k): book(name, k * rows) for name in ("baseline", strategy) for k in (1, 2, 4)}
+    slack = ledger.device_terms("cuda").step_slack_bytes(books["baseline", 1].shape.num_layers)
 
-    ours, base = book(strategy, rows).peak_overlap(), book("baseline", rows).peak_overlap()
-    base_per_row = per_row("baseline")
-    if base_per_row <= 0:
+    def peak(name: str, k: int, whole: bool = False):
+        b = books[name, k]
+        p = b.peak_overlap() if whole else b.forward_backward_peak()
+        return p.bytes, block_excess(b, p)
+
+    def minus(first, second, per: int = 1) -> LedgerBand:  # first - second, each (bytes, excess)
+        return LedgerBand(
+            (first[0] - second[0]) / per,
+            (second[1] + 2 * slack) / per,
+            (first[1] + 2 * slack) / per,
+        )
+
+    def slope(name: str) -> LedgerBand:  # bytes per added row
+        return minus(peak(name, 4), peak(name, 2), 2 * rows)
+
+    theirs, ours = slope("baseline"), slope(strategy)
+    if theirs.bytes <= 0:
         raise ValueError(
             f"the ledger's baseline forward + backward peak does not grow with the rows on {spec.model}, "
             f"micro-batch {rows} x {spec.seq} (it sits where no activation is alive, e.g. the tied embedding's "
             "gradient): c is undefined there; choose a workload whose activations set the peak (longer sequences)"
         )
-    update, capacity = 1 - ours.bytes / base.bytes, 1 - per_row(strategy) / base_per_row
+    base_whole, our_whole = peak("baseline", 1, True), peak(strategy, 1, True)
     return RuleInputs(
-        update,
-        capacity,
-        phase=ours.phase,
+        1 - our_whole[0] / base_whole[0],
+        1 - ours.bytes / theirs.bytes,
+        phase=books[strategy, 1].peak_overlap().phase,
         shape=f"{spec.model}, micro-batch {rows} x {spec.seq}" + (", right-padded" if padded else ""),
-        update_over_backward=ours.bytes / book(strategy, rows).forward_backward_peak().bytes - 1,
-        update_tolerance=drop_tolerance(update, relative),
-        capacity_tolerance=drop_tolerance(capacity, relative),
+        saved=minus(base_whole, our_whole),
+        saved_per_row=LedgerBand(
+            theirs.bytes - ours.bytes, theirs.below + ours.above + 1, theirs.above + ours.below + 1
+        ),
+        update_over_backward=minus(our_whole, peak(strategy, 1)),
     )
 
 
-def measured_phase(perf: Performance, slack: float) -> str:
+def measured_phase(perf: Performance) -> str:
     """Where a measured whole update peaks, from its two allocator peaks: "optimizer" where the whole update's
-    exceeds the forward + backward's by more than `slack` of it, else "backward" (the update adds nothing above
-    the backward's peak)."""
-    higher = perf.peak_allocated_bytes > (1 + slack) * perf.forward_backward_allocated_bytes
-    return "optimizer" if higher else "backward"
+    exceeds the forward + backward's, else "backward" (the update adds nothing above the backward's peak)."""
+    return "optimizer" if perf.peak_allocated_bytes > perf.forward_backward_allocated_bytes else "backward"
 
 
 def against_ledger(
-    perf: Performance, reference: Performance, predicted: RuleInputs, slack: float | None = None
-) -> dict[str, tuple[bool, str]]:
+    perf: Performance, reference: Performance, predicted: RuleInputs
+) -> dict[str, tuple[bool | None, str]]:
     """A GPU measurement of a candidate beside the reference held to the ledger's prediction for the same workload
-    (`ledger_inputs`): {"update": d, "capacity": c, "phase": where the whole update peaks}, each (holds, in words).
-    d and c within the prediction's tolerances; the phase (`measured_phase`, above `slack`, default the rule's
-    no_higher_slack) is "optimizer" where the ledger's whole-update peak lies above its forward + backward peak
-    by more than that slack, else "backward"."""
-    slack = RULE.no_higher_slack if slack is None else slack
-    measured = rule_inputs(perf, reference)
+    (`ledger_inputs`), in bytes: {"update": the bytes the whole update's peak saves, "capacity": the bytes per
+    sequence it saves, "phase": where the whole update peaks}, each (holds, in words). The phase compares the
+    whole update's peak above the forward + backward's; it is decided only where the ledger's band excludes 0
+    (the update adds bytes above the backward whatever the allocator's rounding): otherwise holds is None, the
+    phase undecided (printed, not claimed)."""
     out = {}
-    for key, name, ours, theirs, tolerance in (
-        ("update", "d", measured.update_drop, predicted.update_drop, predicted.update_tolerance),
-        ("capacity", "c", measured.capacity_gain, predicted.capacity_gain, predicted.capacity_tolerance),
+    for key, name, measured, band in (
+        (
+            "update",
+            "bytes the whole update saves",
+            reference.peak_allocated_bytes - perf.peak_allocated_bytes,
+            predicted.saved,
+        ),
+        (
+            "capacity",
+            "bytes per sequence saved",
+            reference.bytes_per_row - perf.bytes_per_row,
+            predicted.saved_per_row,
+        ),
     ):
-        holds = abs(ours - theirs) <= tolerance
-        out[key] = (
-            holds,
-            f"{name} measured {ours:+.1%}, the ledger {theirs:+.1%}: "
-            + (f"within ±{tolerance:.1%}" if holds else f"{ours - theirs:+.1%} apart, over ±{tolerance:.1%}"),
-        )
-    expected = "optimizer" if predicted.update_over_backward > slack else "backward"
-    seen = measured_phase(perf, slack)
+        out[key] = (band.holds(measured), f"{name}: {band.words(measured)}")
+    gap, band = (
+        perf.peak_allocated_bytes - perf.forward_backward_allocated_bytes,
+        predicted.update_over_backward,
+    )
+    decided = band.bytes - band.below > 0
     out["phase"] = (
-        seen == expected,
-        f"the whole update peaks in the {seen} (allocated {perf.peak_allocated_bytes:,} B, forward + backward "
-        f"{perf.forward_backward_allocated_bytes:,} B); the ledger: {predicted.phase}, "
-        f"{predicted.update_over_backward:+.1%} above its forward + backward peak, so {expected}",
+        band.holds(gap) if decided else None,
+        f"the whole update's allocated peak above the forward + backward's: {band.words(gap)}; "
+        + (
+            f"the ledger: in the {predicted.phase}"
+            if decided
+            else f"undecided: the ledger's gap lies within its tolerance of 0 (its peak in {predicted.phase})"
+        ),
     )
     return out
 
