@@ -971,7 +971,7 @@ def perf(device="cuda", median=1.0, peak=1000, per_row=100, reserved=None, times
         None,
         0,
         1,
-        (median,) * 3 if times is None else times,  # the timed rounds
+        (median,) * 7 if times is None else times,  # the timed rounds (enough for a 90 % interval)
     )
 
 
@@ -997,18 +997,56 @@ def test_decide_keeps_wrong_and_not_worth_it_apart_and_decides_nothing_from_cpu_
         perf(median=0.8, times=(0.8,) * 7),
         perf(median=0.8, times=(0.8, 0.5, 1.1, 0.8, 1.1, 0.5, 0.8)),
     )
-    assert (
-        gates.timing_interval(steady, ref) == pytest.approx((0.8, 0.8, 0.8))
-        and gates.decide(passed, steady, ref)[0] == "accept"
-    )
-    low, median, high = gates.timing_interval(noisy, ref)
-    assert low < median < high and median == pytest.approx(0.8)
-    assert gates.timing_spread(noisy, ref) == pytest.approx((high - low) / 2)
+    span = gates.timing_interval(steady, ref)
+    assert (span.low, span.median, span.high) == pytest.approx((0.8, 0.8, 0.8))
+    assert gates.decide(passed, steady, ref)[0] == "accept"
+    span = gates.timing_interval(noisy, ref)
+    assert span.low < span.median < span.high and span.median == pytest.approx(0.8)
+    assert gates.timing_spread(noisy, ref) == pytest.approx((span.high - span.low) / 2)
 
     outcome, reason = gates.decide(passed, noisy, ref)
-    assert gates.timing_spread(noisy, ref) > 0.2 and outcome == "no-gain" and "90% interval" in reason
+    assert gates.timing_spread(noisy, ref) > 0.2 and outcome == "no-gain" and "98.4% interval" in reason
     with pytest.raises(ValueError, match="step times of the same rounds"):
         gates.timing_interval(perf(times=(1.0,) * 2), ref)
+
+
+@pytest.mark.parametrize("n, k", [(5, 1), (7, 1), (10, 2), (21, 7)])
+def test_the_timing_interval_is_the_exact_order_statistic_interval_with_its_real_coverage(n, k):
+    """[x(k), x(n-k+1)] of n sorted per-round ratios holds the true median with probability
+    1 - 2·P(Bin(n, 1/2) ≤ k-1), distribution-free: k is the largest whose coverage reaches TIMING_INTERVAL, and
+    that coverage is what is reported (checked against the binomial sum and by simulation)."""
+    import math
+    import random
+
+    coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+    nxt = 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    assert coverage >= gates.TIMING_INTERVAL > nxt
+    assert gates.order_statistic_rank(n) == (k, pytest.approx(coverage))
+    draw = random.Random(1)
+    trials, held = 4000, 0
+    for _ in range(trials):  # ratios from a skewed distribution whose median is 1: exp(N(0, 1)) ** 3
+        times = tuple(math.exp(3 * draw.gauss(0, 1)) for _ in range(n))
+        span = gates.timing_interval(perf(times=times), perf(times=(1.0,) * n))
+        held += span.low <= 1 <= span.high
+    assert span.coverage == pytest.approx(coverage) and span.rounds == n
+    assert abs(held / trials - coverage) < 4 * math.sqrt(coverage * (1 - coverage) / trials)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_too_few_timed_rounds_give_no_interval_and_no_speedup_counts(n):
+    """Below MIN_TIMING_ROUNDS even [min, max] holds the median with less than 90 % (n = 2: 50 %, 3: 75 %, 4:
+    87.5 %): timing_interval refuses in one sentence, the spread is infinite, and decide counts no speedup (a
+    memory gain still counts)."""
+    assert gates.order_statistic_rank(n) is None and n < gates.MIN_TIMING_ROUNDS
+    ref, fast = perf(times=(1.0,) * n), perf(median=0.5, times=(0.5,) * n)
+    with pytest.raises(ValueError, match=f"{n} timed rounds give no interval .* at least 5 rounds"):
+        gates.timing_interval(fast, ref)
+    passed = [gates.Verdict("gradients", True, {}, "")]
+    assert gates.timing_spread(fast, ref) == float("inf")
+    outcome, reason = gates.decide(passed, fast, ref)
+    assert outcome == "no-gain" and f"{n} rounds, fewer than 5: no 90% interval, no speedup counts" in reason
+    assert gates.decide(passed, perf(median=0.5, peak=850, times=(0.5,) * n), ref)[0] == "accept"
+    assert gates.order_statistic_rank(5) == (1, pytest.approx(1 - 2 / 32))
 
 
 def test_decide_judges_the_allocated_peak_and_reports_the_reserved_one_beside_it():

@@ -11,7 +11,7 @@ and the whole update's allocated peak higher). `RULE` holds the thresholds and `
 
 from __future__ import annotations
 
-import random
+import math
 import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,7 +28,9 @@ __all__ = [
     "RECOMPUTE_HEADROOM",
     "recompute_ratio",
     "TIMING_INTERVAL",
-    "BOOTSTRAP_RESAMPLES",
+    "MIN_TIMING_ROUNDS",
+    "TimingInterval",
+    "order_statistic_rank",
     "round_ratios",
     "timing_interval",
     "timing_spread",
@@ -66,7 +68,8 @@ class DecisionRule:
     tied head holds a quarter of N, that is x1.24; a quarter of that cost again, x1.30, is left for what a replay
     costs beyond its FLOPs (its memory-bound ops, its kernel launches). A checkpoint slower than that is worth tuning. min_speedup: a speed gain counts from a tenth
     of the time on — or from the uncertainty of the measured time ratio, where that is wider (`timing_spread`:
-    half the width of the bootstrap interval of the median per-round ratio): a speedup within it is not told
+    half the width of the order-statistic interval of the median per-round ratio, of at least TIMING_INTERVAL
+    coverage; infinite below MIN_TIMING_ROUNDS rounds, where no speedup counts): a speedup within it is not told
     apart from no change.
 
     The whole update's peak is higher where either its allocated or its reserved bytes rose: each is measured
@@ -110,10 +113,40 @@ def recompute_ratio(model) -> float:
     return 1 + 2 * layers / (6 * total)
 
 
-TIMING_INTERVAL = 0.90  # the coverage of the bootstrap interval of the median per-round time ratio
-BOOTSTRAP_RESAMPLES = (
-    2000  # resamples of the rounds, from a fixed seed: the same rounds give the same interval
+TIMING_INTERVAL = 0.90  # the least coverage an interval of the median per-round time ratio must have
+MIN_TIMING_ROUNDS = (
+    5  # the fewest rounds whose widest order-statistic interval, [min, max], reaches it (1 - 2/2^5)
 )
+
+
+@dataclass(frozen=True)
+class TimingInterval:
+    """The median per-round time ratio and a distribution-free interval for the true median: [low, high] are the
+    k-th smallest and the k-th largest of the n ratios, which hold the median with probability exactly
+    `coverage` = 1 - 2·P(Binomial(n, 1/2) ≤ k - 1), whatever the ratios' distribution (rounds independent)."""
+
+    low: float
+    median: float
+    high: float
+    coverage: float
+    rounds: int
+
+    @property
+    def spread(self) -> float:
+        return (self.high - self.low) / 2
+
+
+def order_statistic_rank(n: int, coverage: float = TIMING_INTERVAL) -> tuple[int, float] | None:
+    """(k, its coverage): the largest k whose interval [x(k), x(n-k+1)] of n sorted samples holds their
+    distribution's median with probability ≥ `coverage` (1 - 2·P(Bin(n, 1/2) ≤ k - 1)); None where even
+    [min, max] falls short (n < MIN_TIMING_ROUNDS at 0.90)."""
+    best = None
+    for k in range(1, n // 2 + 1):
+        reached = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+        if reached < coverage:
+            break
+        best = (k, reached)
+    return best
 
 
 def round_ratios(perf: Performance, reference: Performance) -> list[float]:
@@ -128,27 +161,28 @@ def round_ratios(perf: Performance, reference: Performance) -> list[float]:
     return [a / b for a, b in zip(ours, theirs, strict=True)]
 
 
-def timing_interval(perf: Performance, reference: Performance) -> tuple[float, float, float]:
-    """(low, median, high): the median per-round ratio (`round_ratios`) and its TIMING_INTERVAL bootstrap interval
-    (the rounds resampled with replacement BOOTSTRAP_RESAMPLES times from seed 0, the median of each)."""
-    ratios = round_ratios(perf, reference)
-    draw = random.Random(0)
-    medians = sorted(
-        statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP_RESAMPLES)
-    )
-    tail = (1 - TIMING_INTERVAL) / 2
-    return (
-        medians[int(tail * BOOTSTRAP_RESAMPLES)],
-        statistics.median(ratios),
-        medians[int((1 - tail) * BOOTSTRAP_RESAMPLES) - 1],
-    )
+def timing_interval(perf: Performance, reference: Performance) -> TimingInterval:
+    """The median per-round ratio (`round_ratios`) and its order-statistic interval of at least TIMING_INTERVAL
+    coverage (`order_statistic_rank`; the coverage it really has comes with it). Fewer than MIN_TIMING_ROUNDS
+    rounds have no such interval: refused."""
+    ratios = sorted(round_ratios(perf, reference))
+    found = order_statistic_rank(len(ratios))
+    if found is None:
+        raise ValueError(
+            f"{len(ratios)} timed rounds give no interval of the median time ratio with {TIMING_INTERVAL:.0%} "
+            f"coverage (even [min, max] holds it with 1 - 2/2^{len(ratios)}): time at least {MIN_TIMING_ROUNDS} rounds"
+        )
+    k, coverage = found
+    return TimingInterval(ratios[k - 1], statistics.median(ratios), ratios[-k], coverage, len(ratios))
 
 
 def timing_spread(perf: Performance, reference: Performance) -> float:
-    """How uncertain the measured time ratio is: half the width of its bootstrap interval (`timing_interval`). A
-    speedup no larger than this is not told apart from no change."""
-    low, _, high = timing_interval(perf, reference)
-    return (high - low) / 2
+    """How uncertain the measured time ratio is: half the width of its interval (`timing_interval`); with fewer
+    than MIN_TIMING_ROUNDS rounds unknown, infinite. A speedup no larger than this is not told apart from no change."""
+    if len(perf.step_times_s or ()) < MIN_TIMING_ROUNDS:
+        round_ratios(perf, reference)  # the rounds must still pair
+        return math.inf
+    return timing_interval(perf, reference).spread
 
 
 @dataclass(frozen=True)
@@ -359,8 +393,8 @@ def decide_measured(
     workload fits. capacity_gain = 1 - what one more sequence adds to the forward + backward peak of a
     micro-batch accumulating into a window's gradients / the reference's (`performance.Performance.bytes_per_row`):
     what the largest micro-batch that fits hinges on, even where the optimizer step peaks as high as before.
-    time_ratio = the median per-round time ratio. time_noise: its uncertainty (`timing_spread`); a speedup counts
-    from max(min_speedup, time_noise) on. reserved_change = the whole update's reserved peak / the reference's - 1:
+    time_ratio = the median per-round time ratio. time_noise: its uncertainty (`timing_spread`; infinite: none
+    counts); a speedup counts from max(min_speedup, time_noise) on. reserved_change = the whole update's reserved peak / the reference's - 1:
     the peak is higher where either the allocated or the reserved one rose past no_higher_slack (an OOM is a
     failed request for a new segment, so the reserved bytes are what runs out).
     accept: no higher peak (update_drop ≥ -rule.no_higher_slack, reserved_change ≤ it), and a memory gain (either ≥ min_peak_drop) at
@@ -401,13 +435,22 @@ def decide(
         measured.time_ratio,
         measured.reserved_change,
     )
-    low, _, high = timing_interval(perf, reference)
-    noise = (high - low) / 2
+    noise = timing_spread(perf, reference)
+    if math.isinf(noise):
+        told = (
+            f"{len(perf.step_times_s)} rounds, fewer than {MIN_TIMING_ROUNDS}: no {TIMING_INTERVAL:.0%} interval, "
+            "no speedup counts"
+        )
+    else:
+        span = timing_interval(perf, reference)
+        told = f"{span.coverage:.1%} interval x{span.low:.2f} to x{span.high:.2f}"
     speedup = max(rule.min_speedup, noise)
     return decide_measured(update, capacity, ratio, rule, noise, reserved), (
         f"allocated peak {-update:+.1%}, reserved {reserved:+.1%}, bytes per sequence {-capacity:+.1%}, "
-        f"time x{ratio:.2f} (median of the rounds' ratios; {TIMING_INTERVAL:.0%} interval x{low:.2f} to x{high:.2f}); "
+        f"time x{ratio:.2f} (median of the rounds' ratios; {told}); "
         f"accept: neither peak higher (≤ +{rule.no_higher_slack:.0%}) and either {-rule.min_peak_drop:+.0%} or "
-        f"lower at ≤ x{rule.max_time_ratio:g}, or time ≤ x{1 - speedup:.2f}; costs-memory: no gain and a "
-        f"peak higher; no-gain: neither"
+        f"lower at ≤ x{rule.max_time_ratio:g}"
+        + (f", or time ≤ x{1 - speedup:.2f}" if math.isfinite(speedup) else "")
+        + "; costs-memory: no gain and a "
+        "peak higher; no-gain: neither"
     )
