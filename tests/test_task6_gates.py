@@ -1568,3 +1568,22 @@ def test_the_fp16_range_check_passes_the_cpu_model_and_names_bfloat16_where_a_li
     assert (
         not blown.fits and blown.module == name and "bfloat16" in blown.message() and name in blown.message()
     )
+
+
+def test_the_capped_run_says_who_runs_out_first_and_says_nothing_where_the_reference_runs_out_too():
+    """performance.capped_updates (gpu-check, CUDA) caps the reserved bytes at the reference's reserved peak plus
+    the slack: the candidate runs out first only where it raised and the reference under the same cap did not. The
+    cap's fraction of the device, and a cap off the device refused in one sentence."""
+    from trainmech import performance
+
+    run = lambda ref, cand: performance.CappedRun(1010, 1000, ref, cand)  # noqa: E731
+    assert run(True, False).runs_out_first is True and run(True, True).runs_out_first is False
+    assert run(False, False).runs_out_first is None and run(False, True).runs_out_first is None
+    assert "the reference ran, the candidate ran out of memory" in run(True, False).words()
+    assert "a cap of 1,010 B reserved (the reference's reserved peak 1,000 B" in run(True, True).words()
+    assert performance.memory_cap_fraction(1 << 30, 4 << 30) == 0.25
+    for cap in (0, (4 << 30) + 1):
+        with pytest.raises(
+            ValueError, match="a memory cap must lie between 1 B and the device's 4,294,967,296 B"
+        ):
+            performance.memory_cap_fraction(cap, 4 << 30)

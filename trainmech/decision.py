@@ -72,11 +72,16 @@ class DecisionRule:
     coverage; infinite below MIN_TIMING_ROUNDS rounds, where no speedup counts): a speedup within it is not told
     apart from no change.
 
-    The whole update's peak is higher where either its allocated or its reserved bytes rose: each is measured
-    after `empty_cache` and a reset, so the reserved peak is a deterministic function of the candidate's own
-    allocation sequence (its fragmentation included), a property of the candidate; and an OOM is the allocator
-    failing to reserve a new segment, so a candidate whose reserved peak is higher runs out first even where its
-    tensors hold less. The memory gain d stays on the allocated bytes, and c on the allocated slope.
+    The whole update's peak is higher where either its allocated or its reserved bytes rose. The allocated peak is
+    the bytes its live blocks hold. The reserved peak is the device memory the process holds at most, measured after
+    `empty_cache` and a reset with nothing competing: what nvidia-smi shows and another process cannot have. It is
+    an upper bound of what the update needs, not what runs out first: when cudaMalloc fails, the caching allocator
+    frees its unused cached segments and retries, and raises OutOfMemoryError only when the request does not fit
+    beside the live blocks and the segments they pin. Nor is it the candidate's alone: `empty_cache` keeps every
+    segment that holds a live block (parameters, moments, the shared model), the candidate's blocks are carved from
+    their free tails too, and the reference's peaks are measured once per workload, at another moment of the
+    process. Whether a higher reserved peak runs out first is a measurement of its own: the update run under a
+    cap at the reference's reserved peak (`performance.capped_update`, gpu-check's check_gates). The memory gain d stays on the allocated bytes, and c on the allocated slope.
     no_higher_slack: how far either peak may rise above the reference's and still count as no higher, as a
     fraction of the reference's: a hundredth — a tenth of
     min_peak_drop, so it cannot hide a rise the rule would count as a gain, and above what the allocator's
@@ -395,8 +400,8 @@ def decide_measured(
     what the largest micro-batch that fits hinges on, even where the optimizer step peaks as high as before.
     time_ratio = the median per-round time ratio. time_noise: its uncertainty (`timing_spread`; infinite: none
     counts); a speedup counts from max(min_speedup, time_noise) on. reserved_change = the whole update's reserved peak / the reference's - 1:
-    the peak is higher where either the allocated or the reserved one rose past no_higher_slack (an OOM is a
-    failed request for a new segment, so the reserved bytes are what runs out).
+    the peak is higher where either the allocated or the reserved one rose past no_higher_slack (the reserved
+    peak: device memory the process holds, not a sign that it runs out first; see `DecisionRule`).
     accept: no higher peak (update_drop ≥ -rule.no_higher_slack, reserved_change ≤ it), and a memory gain (either ≥ min_peak_drop) at
     ≤ max_time_ratio, or faster. tune: a gain that costs too much (time, or a higher whole-update peak).
     costs-memory: no gain, and the whole update peaks higher. no-gain: neither smaller nor faster, no higher.

@@ -175,6 +175,8 @@ PACKAGE = [
             "performance._allocator",
             "performance._emptied_cache",
             "performance._allocator_peaks",
+            "performance.memory_capped",
+            "performance._capped_update",
             "decision.decide",
             "gate_report.performance_verdict",
             "gate_report.Report.record_fields",
@@ -182,7 +184,8 @@ PACKAGE = [
         ),
         "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks through "
         "measure.allocator_window, the CUDA context and the bytes per sequence in the performance stage; accept / tune / "
-        "no-gain / costs-memory (CPU: the same allocator bookkeeping with the CPU allocator forced)",
+        "no-gain / costs-memory; the checkpoint runs under a cap at the reference's reserved peak (set_per_process_"
+        "memory_fraction) (CPU: the same allocator bookkeeping with the CPU allocator forced)",
         check_gates,
         8,
     ),

@@ -265,8 +265,20 @@ def check_gates(probe: Probe) -> str:
             f"{report.evidence_level}; against the ledger ({predicted.shape}): "
             + "; ".join(words for _, words in held.values()),
         )
-        measured = f"outcome {report.outcome}: {report.reason}; against the ledger: " + "; ".join(
-            words for _, words in held.values()
+        # a reserved peak is not what runs out: the checkpoint, whose tensors hold less, runs under a cap at the
+        # reference's reserved peak (measured just before, in the same state) plus the rule's slack
+        capped = performance.capped_updates(
+            report.candidate, reference.candidate, workload, slack=gates.RULE.no_higher_slack
+        )
+        require(
+            capped.runs_out_first is False,
+            f"the checkpoint candidate's allocated peak {p.peak_allocated_bytes:,} B, the reference's "
+            f"{ref.peak_allocated_bytes:,} B; {capped.words()}",
+        )
+        measured = (
+            f"outcome {report.outcome}: {report.reason}; against the ledger: "
+            + "; ".join(words for _, words in held.values())
+            + f"; {capped.words()}"
         )
     else:  # bitwise on a CPU; and the allocator's bookkeeping with the CPU allocator forced
         worst = report.verdict("gradients").evidence["window_worst"]
