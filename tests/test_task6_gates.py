@@ -1439,19 +1439,36 @@ def test_the_peak_phase_is_decided_only_where_the_ledgers_gap_clears_its_toleran
     assert gates.measured_phase(_as_measured(gpu_performance, 0, 0, 0)[0]) == "backward"
 
 
-def test_max_time_ratio_is_the_gpu_models_recompute_prediction_plus_a_quarter_of_its_cost(tiny_profile_model):
-    """recompute_ratio counts the decoder layers' parameters against the model's (a tied head once): Qwen2.5-0.5B's
-    1 + 2·357.9M/(6·494.0M) ≈ 1.24; max_time_ratio is that plus a quarter of its cost (RECOMPUTE_HEADROOM)."""
-    gpu = gates.recompute_ratio("qwen2.5-0.5b")
-    assert gpu == pytest.approx(1 + 2 * 357_897_216 / (6 * 494_032_768))
-    assert round(1 + (1 + gates.RECOMPUTE_HEADROOM) * (gpu - 1), 2) == gates.RULE.max_time_ratio
-    tiny = tiny_profile_model(seed=0).model
-    n = sum(p.numel() for p in tiny.parameters())
-    layers = sum(p.numel() for layer in tiny.model.layers for p in layer.parameters())
-    assert (
-        gates.recompute_ratio(tiny) == pytest.approx(1 + layers / (3 * n))
-        and 1 < gates.recompute_ratio(tiny) < 4 / 3
+@pytest.mark.parametrize("seq", [8, 64])
+def test_recompute_ratio_is_the_flop_count_of_a_replayed_layer_attention_included(tiny_profile_model, seq):
+    """recompute_ratio against torch's FLOP counter on the tiny model's forward (eager attention, so the counter
+    sees Q·Kᵀ and the weights times V as matmuls): 1 + the decoder layers' forward FLOPs / 3 x the model's (the
+    backward twice the forward). It holds at both lengths; without attention's s-dependent term it would be off
+    at 64 tokens. Qwen2.5-0.5B at the GPU gate workload's 256 tokens: x1.24."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny_profile_model(seed=0, attn_implementation="eager").model
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.zeros(2, seq, dtype=torch.long))
+    counts = counter.get_flop_counts()
+    total = sum(counts["Global"].values())
+    layers = sum(
+        sum(by_op.values())
+        for name, by_op in counts.items()
+        if re.fullmatch(r"Qwen2ForCausalLM\.model\.layers\.\d+", name)
     )
+    counted = 1 + layers / (3 * total)
+    assert gates.recompute_ratio(model, seq) == pytest.approx(counted, rel=1e-3)
+    n = sum(p.numel() for p in model.parameters())
+    seq_free = 1 + 2 * sum(p.numel() for p in model.model.layers.parameters()) / (6 * n)
+    assert (abs(seq_free - counted) > 1e-3 * counted) == (seq == 64)
+    assert round(gates.recompute_ratio("qwen2.5-0.5b", 256), 2) == 1.24
+    # the measured floor on a GPU: a checkpoint that replays nothing (time ratio 1) falls below it
+    floor = gates.recompute_floor(model, seq)
+    assert 1 < floor < gates.recompute_ratio(model, seq)
+    assert floor == pytest.approx(1 + gates.RECOMPUTE_FLOOR * (gates.recompute_ratio(model, seq) - 1))
+    with pytest.raises(ValueError, match="seq must be a positive number of tokens a sequence, got 0"):
+        gates.recompute_ratio(model, 0)
 
 
 def test_checkpointing_kept_on_switches_transformers_checkpointing_once_outside_the_micro_batches(gw):
@@ -1551,10 +1568,14 @@ def test_the_fp16_range_check_passes_the_cpu_model_and_names_bfloat16_where_a_li
     the GPU run prints the same check before its gates."""
     from trainmech import fp16_range
 
-    found = fp16_range.fp16_range(gw)
+    found = fp16_range.fp16_range(gw, weights="random-init seed=0")
     linears = sum(isinstance(m, torch.nn.Linear) for m in gw.model.modules())
     assert found.fits and found.linears == linears and 0 < found.largest < fp16_range.FP16_MAX
     assert f"every one of {linears} nn.Linear outputs stays finite" in found.message()
+    # what it can show, said where it runs: on a random init nothing about the pretrained weights
+    assert not found.pretrained and "no evidence about the pretrained Qwen2.5 weights" in found.message()
+    loaded = dataclasses.replace(found, weights="pretrained /weights/qwen2.5-0.5b")
+    assert loaded.pretrained and "no evidence" not in loaded.message() and "later windows" in loaded.message()
     rng = torch.get_rng_state()
     name = "model.layers.0.mlp.down_proj"
     hot = dataclasses.replace(

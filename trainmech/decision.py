@@ -27,6 +27,8 @@ __all__ = [
     "RULE",
     "RECOMPUTE_HEADROOM",
     "recompute_ratio",
+    "RECOMPUTE_FLOOR",
+    "recompute_floor",
     "TIMING_INTERVAL",
     "MIN_TIMING_ROUNDS",
     "TimingInterval",
@@ -61,27 +63,29 @@ class DecisionRule:
 
     min_peak_drop: a memory gain counts from a tenth on: a tenth less per sequence is the least that adds a
     sequence to a micro-batch of ten. max_time_ratio: what full activation checkpointing is predicted to cost
-    (`recompute_ratio`) plus a quarter of it. A step costs about 6·N·T FLOPs (N parameters, T tokens: 2·N·T
-    forward, 4·N·T backward). Full-layer recomputation replays each decoder layer's forward, attention and norms
-    included, but not the embedding, the final norm, the head, the loss or the optimizer: 2·N_layers·T more, a ratio
-    of 1 + 2·N_layers/(6·N) when compute-bound (N_layers: the decoder layers' parameters). For Qwen2.5-0.5B, whose
-    tied head holds a quarter of N, that is x1.24; a quarter of that cost again, x1.30, is left for what a replay
-    costs beyond its FLOPs (its memory-bound ops, its kernel launches). A checkpoint slower than that is worth tuning. min_speedup: a speed gain counts from a tenth
-    of the time on — or from the uncertainty of the measured time ratio, where that is wider (`timing_spread`:
-    half the width of the order-statistic interval of the median per-round ratio, of at least TIMING_INTERVAL
-    coverage; infinite below MIN_TIMING_ROUNDS rounds, where no speedup counts): a speedup within it is not told
-    apart from no change.
+    (`recompute_ratio`) plus a quarter of it. A step costs about 6·N·T FLOPs in the matmuls with weights (N
+    parameters, T tokens: 2·N·T forward, 4·N·T backward), and 12·L·s·A·T in attention's own two (L layers, s tokens
+    a sequence, A the attention width). Full-layer recomputation replays each decoder layer's forward, attention and
+    norms included, but not the embedding, the final norm, the head, the loss or the optimizer: 2·N_layers·T +
+    4·L·s·A·T more (N_layers: the decoder layers' parameters). For Qwen2.5-0.5B, whose tied head holds a quarter of
+    N, that is x1.24 at the GPU gate workload's 256 tokens; a quarter of that cost again, x1.30, is left for what a
+    replay costs beyond its FLOPs (its memory-bound ops, its kernel launches). A checkpoint slower than that is
+    worth tuning. min_speedup: a speed gain counts from a tenth of the time on — or from the uncertainty of the
+    measured time ratio, where that is wider (`timing_spread`: half the width of the order-statistic interval of
+    the median per-round ratio, of at least TIMING_INTERVAL coverage; infinite below MIN_TIMING_ROUNDS rounds,
+    where no speedup counts): a speedup within it is not told apart from no change.
 
     The whole update's peak is higher where either its allocated or its reserved bytes rose. The allocated peak is
-    the bytes its live blocks hold. The reserved peak is the device memory the process holds at most, measured after
-    `empty_cache` and a reset with nothing competing: what nvidia-smi shows and another process cannot have. It is
-    an upper bound of what the update needs, not what runs out first: when cudaMalloc fails, the caching allocator
-    frees its unused cached segments and retries, and raises OutOfMemoryError only when the request does not fit
-    beside the live blocks and the segments they pin. Nor is it the candidate's alone: `empty_cache` keeps every
-    segment that holds a live block (parameters, moments, the shared model), the candidate's blocks are carved from
-    their free tails too, and the reference's peaks are measured once per workload, at another moment of the
-    process. Whether a higher reserved peak runs out first is a measurement of its own: the update run under a
-    cap at the reference's reserved peak (`performance.capped_update`, gpu-check's check_gates). The memory gain d stays on the allocated bytes, and c on the allocated slope.
+    the bytes its live blocks hold. The reserved peak is the device memory the process holds at most, measured
+    after `empty_cache` and a reset with nothing competing: what nvidia-smi shows and another process on the GPU
+    cannot have, so a rise of it is a cost. It is not what runs out first: when cudaMalloc fails, the caching
+    allocator frees its unused cached segments and retries, and raises OutOfMemoryError only when the request does
+    not fit beside the live blocks and the segments they pin. Nor is it the candidate's alone: `empty_cache` keeps
+    every segment that holds a live block (parameters, moments, the shared model), the candidate's blocks are
+    carved from their free tails too, and the reference's peaks are measured once per workload, at another moment
+    of the process. Whether a candidate runs out first is a measurement of its own: its update under a cap at the
+    reference's reserved peak (`performance.capped_updates`, gpu-check's check_gates). The memory gain d stays on
+    the allocated bytes, and c on the allocated slope.
     no_higher_slack: how far either peak may rise above the reference's and still count as no higher, as a
     fraction of the reference's: a hundredth — a tenth of
     min_peak_drop, so it cannot hide a rise the rule would count as a gain, and above what the allocator's
@@ -96,13 +100,24 @@ class DecisionRule:
 
 
 RULE = DecisionRule()
-RECOMPUTE_HEADROOM = 0.25  # max_time_ratio - 1 over the GPU model's recompute_ratio - 1, rounded to 0.01
+# max_time_ratio - 1 over the GPU gate workload's recompute_ratio - 1, rounded to 0.01
+RECOMPUTE_HEADROOM = 0.25
+# A checkpoint's measured time ratio is held to at least 1 + this x its predicted cost (`recompute_floor`): the
+# replay's FLOPs are a floor of what it costs, and a measurement at half of them is one that replayed nothing (or
+# a workload far from compute-bound, which the page's GPU shapes are not); half leaves room for timing noise.
+RECOMPUTE_FLOOR = 0.5
 
 
-def recompute_ratio(model) -> float:
-    """1 + 2·N_layers/(6·N): the step time full-layer recomputation predicts, compute-bound, against none. N: the
-    model's parameters (a tied head counted once), N_layers: its decoder layers' (`model.model.layers`). `model`:
-    a Qwen2ForCausalLM, or the name of a TRAIN-CUDA-MECHANISM profile model (built on the meta device: no memory)."""
+def recompute_ratio(model, seq: int) -> float:
+    """The step time full-layer recomputation predicts, compute-bound, against none, at `seq` tokens a sequence:
+    1 + (2·N_layers + 4·L·s·A)/(6·N + 12·L·s·A). N: the model's parameters (a tied head counted once), N_layers: its
+    decoder layers' (`model.model.layers`), L: their number, A: the attention width (heads x head_dim). Per token a
+    forward costs 2·N FLOPs in the matmuls with weights and 4·s·A per layer in attention's two without (Q·Kᵀ and the
+    weights times V, the full s x s counted: a causal kernel that skips the masked half does about half); the
+    backward twice the forward. The replay adds each decoder layer's forward, both kinds. `model`: a
+    Qwen2ForCausalLM, or the name of a TRAIN-CUDA-MECHANISM profile model (built on the meta device: no memory)."""
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise ValueError(f"seq must be a positive number of tokens a sequence, got {seq!r}")
     if isinstance(model, str):
         import torch
         from transformers import Qwen2ForCausalLM
@@ -113,9 +128,18 @@ def recompute_ratio(model) -> float:
             model = Qwen2ForCausalLM(
                 workload.qwen2_config(profiles.for_mode("TRAIN-CUDA-MECHANISM").model(model))
             )
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 4 * len(model.model.layers) * seq * config.num_attention_heads * head_dim
     total = sum(p.numel() for p in model.parameters())
     layers = sum(p.numel() for p in model.model.layers.parameters())
-    return 1 + 2 * layers / (6 * total)
+    return 1 + (2 * layers + attention) / (6 * total + 3 * attention)
+
+
+def recompute_floor(model, seq: int) -> float:
+    """The least time ratio a checkpoint that replays every decoder layer is held to on a GPU: 1 + RECOMPUTE_FLOOR
+    x (`recompute_ratio` - 1). A checkpoint that replays nothing fails it."""
+    return 1 + RECOMPUTE_FLOOR * (recompute_ratio(model, seq) - 1)
 
 
 TIMING_INTERVAL = 0.90  # the least coverage an interval of the median per-round time ratio must have

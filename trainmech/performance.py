@@ -123,7 +123,7 @@ def _allocator_peaks(candidate: Candidate, state, window, device: torch.device, 
     """The allocator's peaks over steady updates of one window, allocated and reserved: over a forward + backward,
     and over a whole update (one more, measured alone). CUDA: the cache emptied before each (segments
     that hold a live block stay), so the reserved peak is what the update reserves from there, cached free blocks
-    included (the allocator would free those and retry before running out: `capped_update` tests that), and the
+    included (the allocator would free those and retry before running out: `capped_updates` tests that), and the
     memory outside the allocator beside them.
     "cpu-profiler": the CPU allocator through the profiler, peaks above the window's start (it cannot see what
     lived before); reserved and outside memory None."""

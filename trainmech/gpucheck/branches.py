@@ -314,9 +314,11 @@ NOTEBOOK_CELLS = {
     "checkpoint+offload on CPU only and only where the prefetch window covers every layer",
     "Task6:quality-gate-adam-eps": "the float32 candidates' held-out loss bitwise equal to the reference's is claimed on "
     "CPU only (a GPU's atomics may reorder sums: there the quality table reads within)",
-    "Task6:performance-rule": "the checkpoint candidate's measured d, c and peak phase against the ledger's prediction "
-    "for this run's workload (padded, residual dropout) within tolerances from its CUDA phase tolerance, and the "
-    "time ratio's interval half-width at most min_speedup (CPU: the GPU shape's prediction alone, no claim)",
+    "Task6:performance-rule": "the checkpoint candidate's measured savings (whole-update peak, bytes per sequence) and "
+    "peak phase against the ledger's bytes for this run's workload (padded, residual dropout) within Task4's CUDA byte "
+    "slack plus the allocator's block rounding (the phase only where decided), its time ratio at least "
+    "recompute_floor, and, with 5 or more rounds, the time ratio's interval half-width at most min_speedup (CPU: the "
+    "predictions alone, no claim)",
     "Task6:run-registries": "the records this page wrote, each with a record of the same experiment and workload in the "
     "CPU reference, is claimed on CPU only (a CUDA run's workloads are the GPU ones)",
     "Task6:outcomes": "the offload's per-sequence bytes equal the reference's on CPU only and only where the prefetch "

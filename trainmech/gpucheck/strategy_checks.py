@@ -181,14 +181,13 @@ def check_save_on_cpu(probe: Probe) -> str:
     same, how = same_gradients(probe, ours, ref)
     require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
     saved = _saved_references(model, batch)
-    # The bytes are those of the host tensors torch's pack returned, each checked to be a pinned copy of its
-    # own (CountingSaveOnCpu raises otherwise); the plain hooks count what autograd handed in.
+    # Every pack's result is checked to be a pinned host copy of its own with the saved tensor's bytes
+    # (CountingSaveOnCpu's check_host_copy raises otherwise): its count and bytes against a plain pair of hooks
+    # would count the same hook calls and the same numel x element_size again, so they are printed, not required.
+    # What can still fail: every saved reference read back in the backward, exactly once.
     require(
-        st.packed == len(saved) == st.unpacked
-        and st.unpacked_again == 0
-        and st.d2h_bytes == st.h2d_bytes == sum(saved),
-        f"save_on_cpu's host copies: {st.packed} holding {st.d2h_bytes:,} B; a plain pair of hooks saw "
-        f"{len(saved)} saved references, {sum(saved):,} B",
+        st.unpacked == st.packed and st.unpacked_again == 0,
+        f"save_on_cpu's host copies: {st.packed} packed, {st.unpacked} read back, {st.unpacked_again} read again",
     )
     if probe.cuda:  # its copies run on the compute stream: the step grows by at least (most of) their time
         # The first step's events also time the pinned allocations (each pack misses the caching host allocator);
@@ -207,7 +206,8 @@ def check_save_on_cpu(probe: Probe) -> str:
             f"compute stream",
         )
     return (
-        f"gradients equal ({how}); every one of {len(saved)} saved references moved, {st.d2h_bytes:,} B each way"
+        f"gradients equal ({how}); {st.packed} host copies ({st.d2h_bytes:,} B; a plain pair of hooks saw "
+        f"{len(saved)} saved references, {sum(saved):,} B), each read back once"
         + (
             f", {st.transfer_time_s * 1e3:.2f} ms of copies, the step {(moved_s - plain_s) * 1e3:.2f} ms longer "
             f"(floor {SERIAL_COPY_FRACTION:.0%} of the copy time, a first guess)"
