@@ -35,16 +35,35 @@ class Fp16Range:
     largest: float  # max |output| over every Linear and every forward (inf: one overflowed)
     module: str  # the Linear where it was
     linears: int  # how many Linear modules were watched
+    weights: str | None = (
+        None  # the weights checked, as workload.BuiltModel.model_weights names them (None: unnamed)
+    )
 
     @property
     def fits(self) -> bool:
         return self.largest < FP16_MAX
 
+    @property
+    def pretrained(self) -> bool:
+        """The weights checked are pretrained ones (`workload.build_model` found them locally), not a random init."""
+        return (self.weights or "").startswith("pretrained")
+
+    def _what_it_shows(self) -> str:
+        if self.weights is None:
+            return "the weights checked are not named, so this says nothing about which weights those were"
+        if self.pretrained:
+            return f"on the initial {self.weights} weights (the updated weights of later windows are not checked)"
+        return (
+            f"on {self.weights} weights: they stay in range, which is no evidence about the pretrained Qwen2.5 "
+            "weights (trained in bfloat16; this run did not load them), the case this check exists for"
+        )
+
     def message(self) -> str:
         if self.fits:
             return (
                 f"every one of {self.linears} nn.Linear outputs stays finite and below float16's largest finite "
-                f"{FP16_MAX:g} under float16 autocast, in every forward of the gate windows"
+                f"{FP16_MAX:g} under float16 autocast, in every forward of the gate windows, "
+                + self._what_it_shows()
             )
         return (
             f"under float16 autocast {self.module} puts out |x| = {self.largest:g}, beyond float16's largest finite "
@@ -54,11 +73,13 @@ class Fp16Range:
         )
 
 
-def fp16_range(workload: GateWorkload) -> Fp16Range:
+def fp16_range(workload: GateWorkload, weights: str | None = None) -> Fp16Range:
     """Every forward of the workload's windows (training mode, its dropout, no gradients) from the initial weights
     under float16 autocast, every nn.Linear's output watched: the largest |output| and where. A forward that leaves
     float16's range makes the loss non-finite whatever the loss scale; pretrained weights trained in bfloat16 can do
-    that (Qwen2 / Qwen2.5), random ones rarely. The global RNG is left as it was."""
+    that (Qwen2 / Qwen2.5), random ones rarely. weights: what the model's weights are (`BuiltModel.model_weights`,
+    "random-init seed=N" or "pretrained <path>"): the message says what the check shows on them — on a random init,
+    nothing about the pretrained weights. The global RNG is left as it was."""
     model = workload.model
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     largest = {name: 0.0 for name in linears}
@@ -85,4 +106,4 @@ def fp16_range(workload: GateWorkload) -> Fp16Range:
         for h in handles:
             h.remove()
     worst = max(largest, key=lambda name: largest[name])
-    return Fp16Range(largest[worst], worst, len(linears))
+    return Fp16Range(largest[worst], worst, len(linears), weights)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,6 +31,10 @@ __all__ = [
     "Performance",
     "ALLOCATOR_FIELDS",
     "remeasure",
+    "memory_cap_fraction",
+    "memory_capped",
+    "CappedRun",
+    "capped_updates",
 ]
 
 # The P95 of n samples interpolates at position 0.95 (n - 1) of the sorted samples (measure.percentile): below
@@ -59,7 +64,7 @@ class Performance:
     peak_allocated_bytes: int | None  # CUDA allocator over one steady update (forward, backward, step)
     peak_reserved_bytes: (
         int | None
-    )  # … reserved from the device, the cache emptied first: what an OOM is about
+    )  # … reserved from the device, the cache emptied first: what the process holds (not what runs out first)
     forward_backward_allocated_bytes: int | None  # the same two over the forward + backward alone
     forward_backward_reserved_bytes: int | None
     cuda_context_bytes: (
@@ -116,8 +121,10 @@ def _emptied_cache(device: torch.device) -> int:
 
 def _allocator_peaks(candidate: Candidate, state, window, device: torch.device, source: str) -> dict:
     """The allocator's peaks over steady updates of one window, allocated and reserved: over a forward + backward,
-    and over a whole update (one more, measured alone). CUDA: the cache emptied before each, so the reserved
-    peak is what the update needs from an empty cache, and the memory outside the allocator beside them.
+    and over a whole update (one more, measured alone). CUDA: the cache emptied before each (segments
+    that hold a live block stay), so the reserved peak is what the update reserves from there, cached free blocks
+    included (the allocator would free those and retry before running out: `capped_updates` tests that), and the
+    memory outside the allocator beside them.
     "cpu-profiler": the CPU allocator through the profiler, peaks above the window's start (it cannot see what
     lived before); reserved and outside memory None."""
     cuda = source == "cuda"
@@ -292,3 +299,96 @@ def remeasure(
             )
         )
     return out[0], out[1]
+
+
+def memory_cap_fraction(cap_bytes: int, total_bytes: int) -> float:
+    """The fraction of a device of `total_bytes` that caps the caching allocator's reserved bytes at `cap_bytes`
+    (torch.cuda.set_per_process_memory_fraction: a request that would reserve past it raises OutOfMemoryError,
+    after the allocator freed its unused cached segments and retried)."""
+    if not 0 < cap_bytes <= total_bytes:
+        raise ValueError(
+            f"a memory cap must lie between 1 B and the device's {total_bytes:,} B, got {cap_bytes:,} B"
+        )
+    return cap_bytes / total_bytes
+
+
+@contextmanager
+def memory_capped(device: torch.device, cap_bytes: int):
+    """CUDA: inside, this process's caching allocator may reserve at most `cap_bytes` on `device`; the whole
+    device again after."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(memory_cap_fraction(cap_bytes, total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+@dataclass(frozen=True)
+class CappedRun:
+    """A candidate's steady update and the reference's, each run under the same cap on the reserved bytes: the
+    reference's reserved peak measured just before, in the same process state, plus `slack` of it."""
+
+    cap_bytes: int
+    reference_reserved_bytes: int
+    reference_ran: (
+        bool  # False: it raised OutOfMemoryError under a cap above its own peak (the cap says nothing)
+    )
+    candidate_ran: bool
+
+    @property
+    def runs_out_first(self) -> bool | None:
+        """True where the candidate ran out and the reference did not; None where the reference ran out too."""
+        return (not self.candidate_ran) if self.reference_ran else None
+
+    def words(self) -> str:
+        said = lambda ran: "ran" if ran else "ran out of memory"  # noqa: E731
+        return (
+            f"under a cap of {self.cap_bytes:,} B reserved (the reference's reserved peak {self.reference_reserved_bytes:,} B "
+            f"plus the slack): the reference {said(self.reference_ran)}, the candidate {said(self.candidate_ran)}"
+        )
+
+
+def _capped_update(
+    candidate: Candidate, workload: GateWorkload, warmup: int, init_scale, cap: int | None
+) -> tuple[bool, int]:
+    """(ran, reserved peak) of one steady update after `warmup` ones, the cache emptied before it; under `cap`
+    reserved bytes when given (False: it raised OutOfMemoryError there)."""
+    state = workload.fresh_state(candidate, init_scale=init_scale)
+    clean = workload.clean
+    try:
+        for i in range(max(warmup, 1)):
+            _one_update(candidate, state, clean[i % len(clean)])
+        _emptied_cache(workload.device)
+        torch.cuda.reset_peak_memory_stats(workload.device)
+        try:
+            with memory_capped(workload.device, cap) if cap is not None else nullcontext():
+                _one_update(candidate, state, clean[max(warmup, 1) % len(clean)])
+        except torch.cuda.OutOfMemoryError:
+            return False, int(torch.cuda.max_memory_reserved(workload.device))
+        return True, int(torch.cuda.max_memory_reserved(workload.device))
+    finally:
+        state.optimizer.zero_grad(set_to_none=True)
+        state.close()
+        _emptied_cache(workload.device)
+
+
+def capped_updates(
+    candidate: Candidate,
+    reference: Candidate,
+    workload: GateWorkload,
+    *,
+    slack: float,
+    warmup: int = 1,
+    init_scale: float | None = None,
+) -> CappedRun:
+    """CUDA: does the candidate run out of memory before the reference? The reference's steady update measured
+    uncapped (its reserved peak, in this process's state now), then the reference and the candidate each run
+    under a cap of that peak plus `slack` of it. A reserved peak is not what runs out: under the cap the
+    allocator frees its unused cached segments and retries before it raises."""
+    with workload.running():
+        _, reserved = _capped_update(reference, workload, warmup, None, None)
+        cap = round(reserved * (1 + slack))
+        reference_ran, _ = _capped_update(reference, workload, warmup, None, cap)
+        candidate_ran, _ = _capped_update(candidate, workload, warmup, init_scale, cap)
+    return CappedRun(cap, reserved, reference_ran, candidate_ran)

@@ -175,6 +175,8 @@ PACKAGE = [
             "performance._allocator",
             "performance._emptied_cache",
             "performance._allocator_peaks",
+            "performance.memory_capped",
+            "performance._capped_update",
             "decision.decide",
             "gate_report.performance_verdict",
             "gate_report.Report.record_fields",
@@ -182,7 +184,8 @@ PACKAGE = [
         ),
         "the CUDA RNG in the inputs gate and the teacher-forced pass; empty_cache, reserved / allocated peaks through "
         "measure.allocator_window, the CUDA context and the bytes per sequence in the performance stage; accept / tune / "
-        "no-gain / costs-memory (CPU: the same allocator bookkeeping with the CPU allocator forced)",
+        "no-gain / costs-memory; the checkpoint runs under a cap at the reference's reserved peak (set_per_process_"
+        "memory_fraction) (CPU: the same allocator bookkeeping with the CPU allocator forced)",
         check_gates,
         8,
     ),
@@ -313,9 +316,11 @@ NOTEBOOK_CELLS = {
     "Task6:quality-gate-adam-eps": "the float32 candidates' held-out loss bitwise equal to the reference's is claimed on "
     "CPU only (a GPU's atomics may reorder sums: there the quality table reads within), and so is every quality "
     "bound narrower than another seed's held-out difference",
-    "Task6:performance-against-ledger": "the checkpoint candidate's measured d, c and peak phase against the ledger's prediction "
-    "for this run's workload (padded, residual dropout) within tolerances from its CUDA phase tolerance, and the "
-    "time ratio's interval half-width at most min_speedup (CPU: the GPU shape's prediction alone, no claim)",
+    "Task6:performance-against-ledger": "the checkpoint candidate's measured savings (whole-update peak, bytes per sequence) and "
+    "peak phase against the ledger's bytes for this run's workload (padded, residual dropout) within Task4's CUDA byte "
+    "slack plus the allocator's block rounding (the phase only where decided), its time ratio at least "
+    "recompute_floor, and, with 5 or more rounds, the time ratio's interval half-width at most min_speedup (CPU: the "
+    "predictions alone, no claim)",
     "Task6:run-registries": "the records this page wrote, each with a record of the same experiment and workload in the "
     "CPU reference, is claimed on CPU only (a CUDA run's workloads are the GPU ones)",
     "Task6:outcomes": "the offload's per-sequence bytes equal the reference's on CPU only and only where the prefetch "

@@ -182,14 +182,13 @@ def check_save_on_cpu(probe: Probe) -> str:
     same, how = same_gradients(probe, ours, ref)
     require(same, f"gradients under save_on_cpu differ from the baseline ({how})")
     saved = _saved_references(model, batch)
-    # The bytes are those of the host tensors torch's pack returned, each checked to be a pinned copy of its
-    # own (CountingSaveOnCpu raises otherwise); the plain hooks count what autograd handed in.
+    # Every pack's result is checked to be a pinned host copy of its own with the saved tensor's bytes
+    # (CountingSaveOnCpu's check_host_copy raises otherwise): its count and bytes against a plain pair of hooks
+    # would count the same hook calls and the same numel x element_size again, so they are printed, not required.
+    # What can still fail: every saved reference read back in the backward, exactly once.
     require(
-        st.packed == len(saved) == st.unpacked
-        and st.unpacked_again == 0
-        and st.d2h_bytes == st.h2d_bytes == sum(saved),
-        f"save_on_cpu's host copies: {st.packed} holding {st.d2h_bytes:,} B; a plain pair of hooks saw "
-        f"{len(saved)} saved references, {sum(saved):,} B",
+        st.unpacked == st.packed and st.unpacked_again == 0,
+        f"save_on_cpu's host copies: {st.packed} packed, {st.unpacked} read back, {st.unpacked_again} read again",
     )
     if probe.cuda:  # its copies run on the compute stream: the step grows by at least (most of) their time
         # The first step's events also time the pinned allocations (each pack misses the caching host allocator);
@@ -208,7 +207,8 @@ def check_save_on_cpu(probe: Probe) -> str:
             f"compute stream",
         )
     return (
-        f"gradients equal ({how}); every one of {len(saved)} saved references moved, {st.d2h_bytes:,} B each way"
+        f"gradients equal ({how}); {st.packed} host copies ({st.d2h_bytes:,} B; a plain pair of hooks saw "
+        f"{len(saved)} saved references, {sum(saved):,} B), each read back once"
         + (
             f", {st.transfer_time_s * 1e3:.2f} ms of copies, the step {(moved_s - plain_s) * 1e3:.2f} ms longer "
             f"(floor {SERIAL_COPY_FRACTION:.0%} of the copy time, a first guess)"
@@ -255,17 +255,31 @@ def check_gates(probe: Probe) -> str:
         f"checkpointing keeps no less: forward + backward {p.tracked_forward_backward_bytes:,} vs "
         f"{ref.tracked_forward_backward_bytes:,} B, per sequence {p.bytes_per_row:,} vs {ref.bytes_per_row:,} B",
     )
-    if probe.cuda:  # the measured d, c and phase against the ledger's prediction for this very workload
+    if (
+        probe.cuda
+    ):  # the measured savings and phase against the ledger's bytes for this very workload (None: undecided)
         spec = profiles.for_mode(probe.mode).workload("smoke-gates")
         predicted = gates.ledger_inputs(spec, "checkpoint", padded=True, residual_dropout=True)
         held = gates.against_ledger(p, ref, predicted)
         require(
-            report.evidence_level == "gpu-measured" and all(ok for ok, _ in held.values()),
+            report.evidence_level == "gpu-measured" and all(ok is not False for ok, _ in held.values()),
             f"{report.evidence_level}; against the ledger ({predicted.shape}): "
             + "; ".join(words for _, words in held.values()),
         )
-        measured = f"outcome {report.outcome}: {report.reason}; against the ledger: " + "; ".join(
-            words for _, words in held.values()
+        # a reserved peak is not what runs out: the checkpoint, whose tensors hold less, runs under a cap at the
+        # reference's reserved peak (measured just before, in the same state) plus the rule's slack
+        capped = performance.capped_updates(
+            report.candidate, reference.candidate, workload, slack=gates.RULE.no_higher_slack
+        )
+        require(
+            capped.runs_out_first is False,
+            f"the checkpoint candidate's allocated peak {p.peak_allocated_bytes:,} B, the reference's "
+            f"{ref.peak_allocated_bytes:,} B; {capped.words()}",
+        )
+        measured = (
+            f"outcome {report.outcome}: {report.reason}; against the ledger: "
+            + "; ".join(words for _, words in held.values())
+            + f"; {capped.words()}"
         )
     else:  # bitwise on a CPU; and the allocator's bookkeeping with the CPU allocator forced
         worst = report.verdict("gradients").evidence["window_worst"]
