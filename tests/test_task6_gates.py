@@ -1553,16 +1553,21 @@ RULE_TABLE = {
 
 def test_the_performance_stage_reports_the_time_ratio_the_rule_judges(gpu_performance):
     """Rounds where the ratio of the two medians (x2) is not the median of the paired per-round ratios (x1): the
-    stage's message says the latter with its bootstrap interval, as decide does."""
-    ref = gpu_performance(1.0, step_times_s=(1.0, 1.0, 2.0))
-    ours = gpu_performance(2.0, step_times_s=(2.0, 1.0, 2.0))
+    stage's message says the latter with its order-statistic interval and that interval's real coverage, as decide
+    does; with fewer rounds than an interval needs, it says so instead of printing one."""
+    ref = gpu_performance(1.0, step_times_s=(1.0, 1.0, 1.0, 2.0, 2.0))
+    ours = gpu_performance(2.0, step_times_s=(2.0, 2.0, 1.0, 2.0, 2.0))
+    span = gates.timing_interval(ours, ref)
+    assert span.median == 1.0 and ours.step_time_median_s / ref.step_time_median_s == 2.0
     message = gate_report.performance_verdict(ours, ref).message
-    low, median, high = gates.timing_interval(ours, ref)
-    assert median == 1.0 and ours.step_time_median_s / ref.step_time_median_s == 2.0
     assert message.startswith(
-        f"time x1.00 (median of the rounds' ratios; {gates.TIMING_INTERVAL:.0%} interval x{low:.2f} to x{high:.2f})"
+        f"time x1.00 (median of the rounds' ratios; {span.coverage:.1%} interval x{span.low:.2f} to x{span.high:.2f})"
     )
     assert "time x1.00 (median of the rounds' ratios" in gates.decide([], ours, ref)[1]
+    few = gate_report.performance_verdict(
+        gpu_performance(2.0, step_times_s=(2.0, 1.0, 2.0)), gpu_performance(1.0, step_times_s=(1.0, 1.0, 2.0))
+    ).message
+    assert f"3 rounds, fewer than {gates.MIN_TIMING_ROUNDS}" in few and "interval x" not in few
 
 
 def test_the_rule_table_by_hand_agrees_with_decide_on_performance_records_at_every_row(gpu_performance):
