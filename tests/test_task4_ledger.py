@@ -1068,7 +1068,9 @@ def test_the_memory_history_of_a_cuda_snapshot_names_the_blocks_no_tensor_explai
     assert "by construction" in stand_in.describe()
 
 
-@pytest.mark.parametrize("kernel, dropout", [("flash", True), ("cudnn", False), ("cudnn", True)])
+@pytest.mark.parametrize(
+    "kernel, dropout", [("flash", False), ("flash", True), ("cudnn", False), ("cudnn", True)]
+)
 def test_fused_kernels_keep_their_rng_state_on_cuda_as_torch_meta_kernels_say(kernel, dropout):
     q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16)
     out = ledger.inventory._sdpa_op(kernel, q, ledger.inventory.PROBE_DROPOUT if dropout else 0.0)
@@ -1098,22 +1100,39 @@ def test_fused_kernels_keep_their_rng_state_on_cuda_as_torch_meta_kernels_say(ke
     )
 
 
-def test_the_efficient_and_math_kernels_and_flash_without_dropout_keep_no_rng_state_on_the_device():
+def test_the_efficient_and_math_kernels_keep_no_rng_state_on_the_device_and_flash_keeps_it_without_dropout():
     for dropout in (False, True):
         assert ledger.rng_state_saved("efficient", "cuda", dropout=dropout) == []  # on the host
         assert ledger.rng_state_saved("math", "cuda", dropout=dropout) == []
     assert ledger.inventory._rng_outputs("efficient", False)  # the meta kernel has them: on the host
-    # FlashAttention-2's mha_fwd without dropout: seed and offset are at::empty({}, kLong), host tensors
-    assert ledger.rng_state_saved("flash", "cuda") == []
-    assert ledger.inventory._rng_outputs("flash", False) and not any(
-        on_device for *_, on_device in ledger.inventory._rng_outputs("flash", False)
+    # FlashAttention-2's mha_fwd since "[Note] BC breaking change to flash seed/offset" (torch >= 2.7): a (2,)
+    # uint64 seed and a () uint64 offset, made on the device with or without dropout; the meta kernel of the
+    # torch installed here has that code's shapes (the old code's were int64 scalars, host without dropout)
+    q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16)
+    out = ledger.inventory._sdpa_op("flash", q, 0.0)
+    assert (tuple(out[6].shape), out[6].dtype, tuple(out[7].shape), out[7].dtype) == (
+        (2,),
+        torch.uint64,
+        (),
+        torch.uint64,
     )
+    for dropout in (False, True):
+        rows = ledger.rng_state_saved("flash", "cuda", dropout=dropout)
+        assert [(t.name.rsplit(".", 1)[-1], t.nbytes) for t in rows] == [
+            ("sdpa_rng_seed", 16),
+            ("sdpa_rng_offset", 8),
+        ]
     big = ledger.model_shape("qwen2.5-0.5b")
+    book = ledger.training_state_lifecycle(big, 2, 512, dtype="bf16", device="cuda", attention="flash")
+    assert {st.name for st in book.states} >= {
+        "layer.0.self_attn.sdpa_rng_seed",
+        "layer.0.self_attn.sdpa_rng_offset",
+    }
     saved = {
         kernel: sum(t.nbytes for t in ledger.layer_saved(big, 2, 512, "bf16", kernel, device="cuda"))
         for kernel in ("flash", "cudnn")
     }
-    assert saved["cudnn"] - saved["flash"] == 16  # cuDNN's two 8-byte scalars; flash's stay on the host
+    assert saved["flash"] - saved["cudnn"] == 24 - 16  # flash: (2,) + () uint64; cuDNN: two int64 scalars
 
 
 def _context_report(tmp_path, **limits) -> str:
@@ -1891,3 +1910,19 @@ def test_allocator_pair_measures_again_only_a_pair_without_an_allocator():
     assert (again[1].model, again[1].batch, again[1].seq) == ("qwen2-tiny", 1, 16)
     assert again[1].tracked_peak == plain[1].tracked_peak  # the same point: the same tensors
     assert ledger.allocator_pair(*again) == again  # it carries them now: nothing runs again
+
+
+def test_the_peak_of_a_memory_history_is_its_most_bytes_alive_at_once():
+    history = measure.MemoryHistory("storage-tracker")
+    block = memory_history.HistoryBlock  # one alloc or free per event index
+    history.blocks = [
+        block(100, 0, 2, "saved", ""),
+        block(30, 1, None, "gradients", ""),
+        block(50, 3, 4, "saved", ""),
+    ]
+    history.events = 5
+    assert history.peak_bytes() == 130  # events 0 and 1 alive together; the 50 comes after the 100 is freed
+    history.blocks.append(block(200, 5, None, "workspace", ""))
+    history.events = 6
+    assert history.peak_bytes() == 30 + 200
+    assert measure.MemoryHistory().peak_bytes() == 0

@@ -92,6 +92,20 @@ class MemoryHistory(dict):
         block is a storage."""
         return [b for b in self.blocks if b.category == ALLOCATOR_ONLY]
 
+    def peak_bytes(self) -> int:
+        """The most bytes its blocks hold at once: the top of the drawn bands (the baseline, alive before the
+        recording began, is not in it)."""
+        change = [0] * (max([self.events, *(b.born + 1 for b in self.blocks)]) + 1)
+        for block in self.blocks:
+            change[block.born] += block.nbytes
+            if block.died is not None:
+                change[block.died] -= block.nbytes
+        alive = top = 0
+        for step in change:
+            alive += step
+            top = max(top, alive)
+        return top
+
     def describe(self) -> str:
         """Where the history comes from and its size; the baseline it started from; the blocks no tensor
         state explains."""

@@ -120,8 +120,8 @@ PACKAGE = [
         "kernel choice: the ledger predicts with the SDPA kernel the forward dispatched (cuDNN, flash, efficient or math; "
         "its rule on the stack, ledger.SdpaStack: cuDNN for 16-bit where the stack puts it first, else flash; fp32 GQA math "
         "before torch EFFICIENT_GQA_SINCE, efficient when padded; held to the dispatched kernel where the profile pins "
-        "torch, DeviceTerms.torch_pinned, else a drift line); the cuDNN kernel's RNG seed and offset, flash's only with "
-        "dropout, weighed "
+        "torch, DeviceTerms.torch_pinned, else a drift line); the cuDNN and flash kernels' RNG seed and offset (dropout or not), "
+        "weighed "
         "by running the fused op on the GPU; foreach AdamW temporaries and AdamW's step counters on the host on CUDA; "
         "the warm-up's cuBLAS workspaces; lifecycles key by key within CUDA_LIFECYCLE_TOLERANCE; the allocator model's "
         "peaks beside the allocator's own, within Task4's DeviceTerms.allocator_model_tolerance and "
@@ -345,8 +345,8 @@ KERNEL_CHOICE_CELLS = {
     ),
     "Task4:bf16-layer-saved": (
         "bf16 per-layer saved bytes against the dispatched kernel's inventory within SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer; its SDPA term "
-        "carries the RNG seed and offset the dispatched kernel keeps on this GPU, weighed there (cuDNN keeps them on "
-        "the device; flash only with dropout; ledger.rng_state_saved)",
+        "carries the RNG seed and offset the dispatched kernel keeps on this GPU, weighed there (cuDNN and flash keep "
+        "them on the device, dropout or not; ledger.rng_state_saved)",
         None,
     ),
     "Task5:layer-saved-inventory": (

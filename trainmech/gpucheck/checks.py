@@ -264,6 +264,27 @@ def check_ledger_on_device(probe: Probe) -> str:
         f"bf16 saved bytes per layer {added} vs the {bf16.kernel} inventory's {inventory:,} "
         f"(RNG state rows: {rng or 'none'})",
     )
+    # where each fused kernel keeps its RNG seed and offset: weighed on this GPU against the paper rule
+    # (the meta kernel's shapes and ledger.inventory.RNG_OUTPUTS), with and without dropout, so a wrong
+    # placement entry fails here and not only in a book that happens to dispatch that kernel
+    rng_placement, rng_unprobed = [], []
+    for kernel in ledger.inventory.RNG_OUTPUTS if probe.cuda else ():
+        for dropout in (False, True):
+            try:
+                weighed = ledger.inventory._rng_outputs(kernel, True, dropout)
+            # a kernel this GPU or its libraries cannot run: named in the report, not guessed
+            except (RuntimeError, NotImplementedError) as refusal:
+                rng_unprobed.append(
+                    f"{kernel}{' with dropout' if dropout else ''} ({str(refusal).splitlines()[0][:80]})"
+                )
+                continue
+            paper = ledger.inventory._rng_outputs(kernel, False, dropout)
+            require(
+                weighed == paper,
+                f"{kernel}{' with dropout' if dropout else ''}: RNG seed and offset (shape, bytes, on the device) "
+                f"weighed on this GPU {weighed}, the paper rule says {paper} (ledger.inventory.RNG_OUTPUTS)",
+            )
+            rng_placement.append(f"{kernel}{'+dropout' if dropout else ''}")
     # SDPA's math composite in bf16, forced, without and with dropout: fp32 q, k, v and probabilities
     # (it upcasts), and the dropout mask (bool on CUDA, fp32 on the CPU), against the ledger's inventory
     math_rows = []
@@ -330,7 +351,8 @@ def check_ledger_on_device(probe: Probe) -> str:
             f"; the ledger's rule said {rules[0]} / {rules[1]} / bf16 {rules[2]} ({first.stack.describe()}); "
             f"rule drift: {'; '.join(drift) or 'none'}; cuBLAS workspaces {first.workspace_bytes:,} B; "
             f"allocator model allocated {peaks.allocated_error:+.1%}, reserved {peaks.reserved_error:+.1%} "
-            "off the measured peaks"
+            "off the measured peaks; RNG placement weighed as the paper rule says: "
+            f"{', '.join(rng_placement) or 'none'}{'; not probed: ' + '; '.join(rng_unprobed) if rng_unprobed else ''}"
         )
     return (
         f"kernels {kernels[0]} / {kernels[1]} (padded) dispatched and predicted with; foreach={probe.cuda}; {errors}; "

@@ -241,12 +241,13 @@ def norm_saved(
 
 
 # Where each fused SDPA op returns the philox seed and offset its autograd node keeps for the backward,
-# and whether they live on the device (with dropout, without): flash keeps them there only when it drops
-# out (PyTorch's vendored FlashAttention-2, mha_fwd: p_dropout == 0 outside graph capture makes both
-# at::empty({}, kLong), host tensors); cuDNN keeps them there; the memory-efficient kernel on the host
-# (outside graph capture). No device byte holds a host tensor.
+# and whether they live on the device (with dropout, without): flash keeps both there, dropout or not
+# (FlashAttention-2's mha_fwd since "[Note] BC breaking change to flash seed/offset", pytorch #146372,
+# torch >= 2.7: rng_state = at::empty({2}, kUInt64) and _unused = at::empty({}, kUInt64) on kCUDA; the
+# meta kernel's uint64 (2,) seed is that code's shape, a CPU test holds it); cuDNN keeps them there; the
+# memory-efficient kernel on the host (outside graph capture). No device byte holds a host tensor.
 RNG_OUTPUTS = {
-    "flash": ((6, 7), True, False),
+    "flash": ((6, 7), True, True),
     "cudnn": ((6, 7), True, True),
     "efficient": ((2, 3), False, False),
 }
@@ -293,7 +294,7 @@ def rng_state_saved(
 ) -> list[SavedTensor]:
     """The RNG state one SDPA call keeps on the device for its backward. CPU: none (its kernels return
     output and logsumexp only); math: none (its dropout mask is a tensor of its own). CUDA: the seed and
-    offset of the fused kernel that stay on the device (`_rng_outputs`; flash's only with `dropout`):
+    offset of the fused kernel that stay on the device (`_rng_outputs`: flash's and cuDNN's):
     weighed on this process's GPU when `weigh` (the caller measures there), else the meta kernel's
     shapes and RNG_OUTPUTS, whatever GPU the machine has."""
     if device != "cuda" or kernel not in RNG_OUTPUTS:
