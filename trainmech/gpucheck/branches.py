@@ -261,6 +261,9 @@ NOTEBOOK_CELLS = {
     "CPU byte for byte)",
     "Task4:peak-composition": "the peak's composition by category within TERMS.step_slack_bytes(layers) bytes per category "
     "(CUDA: SLACK once per layer, CPU byte for byte)",
+    "Task4:memory-history": "the history's peak plus the tracked parameters claimed equal to the tracked peak where "
+    "TERMS.exact_points (CPU: the tracker's own history); on CUDA the allocator's history is drawn and its baseline "
+    "and unexplained blocks printed",
     "Task4:baseline-peaks": "the byte-for-byte claim over every point is made where TERMS.exact_points (CPU only; CUDA: "
     "within 5 %, the count of exact points printed)",
     "Task4:cuda-allocator-peaks": "one path: ledger.allocator_pair keeps the CUDA-measured pair (the caching allocator counted), "
