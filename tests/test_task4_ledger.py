@@ -476,7 +476,9 @@ def test_the_cuda_rule_for_16_bit_puts_cudnn_first_on_sm90_and_sm100_with_a_new_
     assert (
         h200.cudnn_first and rule(h200) == rule(h200, "autocast-fp16") == rule(h200, padded=True) == "cudnn"
     )
-    assert rule(h200, dropout=True) == "cudnn"
+    assert rule(h200, dropout=True) == rule(h200, dropout=0.25) == "cudnn"  # on cuDNN's 1/16 grid
+    # check_cudnn_dropout: a probability off the 1/16 grid refuses cuDNN; flash (or efficient with a mask) runs
+    assert rule(h200, dropout=0.1) == "flash" and rule(h200, dropout=0.1, padded=True) == "efficient"
     assert (
         rule(h200, "fp32") == "math" and rule(h200, "fp32", padded=True) == "efficient"
     )  # cuDNN: 16-bit only

@@ -159,10 +159,12 @@ def attention_kernel(
     attention: str = "auto",
     *,
     padded: bool = False,
-    dropout: bool = False,
+    dropout: bool | float = False,
     stack: SdpaStack | None = None,
 ) -> str:
     """The ledger's rule for the SDPA kernel of this layer (flash / efficient / cudnn / math).
+
+    dropout: the attention dropout probability, or a bool (True: a probability on cuDNN's 1/16 grid).
 
     CPU: its flash kernel, for any dtype, with or without a mask, as long as there is no attention
     dropout; with dropout_p > 0 (a config's attention_dropout, in train mode) the math composite, whose
@@ -171,7 +173,8 @@ def attention_kernel(
     memory-efficient and cuDNN kernels take a dropout_p), on the stack `stack` (default: this process's
     torch, no GPU seen): 16-bit activations (autocast included) run cuDNN's kernel where the stack puts
     it first (`SdpaStack.cudnn_first`: an sm90 / sm100 GPU, a cuDNN newer than 9.15.0, torch ≥ 2.10,
-    TORCH_CUDNN_SDPA_DEPRIORITIZED unset), with a mask too; with no GPU seen (a paper calculation) it is
+    TORCH_CUDNN_SDPA_DEPRIORITIZED unset), with a mask too, unless its dropout probability is off
+    cuDNN's 1/16 grid (sdp_utils.cpp, check_cudnn_dropout: 0.1 is refused, 0.25 taken); with no GPU seen (a paper calculation) it is
     not assumed first. Otherwise a padded batch comes with an attention mask, which the flash kernel
     refuses, so transformers repeats K and V to every head and the memory-efficient kernel runs. Without
     a mask: flash for 16-bit activations; in fp32 the memory-efficient kernel, except with
@@ -190,7 +193,7 @@ def attention_kernel(
         return "math" if dropout else "flash"
     stack = sdpa_stack() if stack is None else stack
     sixteen_bit = recipe(recipe_name).sixteen_bit
-    if sixteen_bit and stack.cudnn_first:
+    if sixteen_bit and stack.cudnn_first and (16 * float(dropout)).is_integer():  # check_cudnn_dropout
         return "cudnn"
     if padded:
         return "efficient"
