@@ -10,6 +10,7 @@ covers is the registry's (trainmech.gpucheck.branches).
 
 from __future__ import annotations
 
+import math
 import tempfile
 
 import torch
@@ -186,6 +187,12 @@ def dispatched_attention_kernel(model: torch.nn.Module, batch: dict) -> str:
     return ledger.kernel_of_ops(ops.names) or f"unknown ({', '.join(attention) or 'no attention op'})"
 
 
+def _rng_bytes(outputs) -> tuple[tuple[int, bool], ...]:
+    """(bytes, on the device) of each RNG output `ledger.inventory._rng_outputs` names: its bytes, not its
+    shape (cuDNN's op makes (1,) int64 tensors where its meta kernel says (); both are 8 bytes)."""
+    return tuple((math.prod(shape) * element_bytes, on_device) for shape, element_bytes, on_device in outputs)
+
+
 def check_ledger_on_device(probe: Probe) -> str:
     """The ledger predicts with the kernel the forward dispatched (fp32 unpadded and padded, bf16); its rule
     (`ledger.attention_kernel`, on the stack the point ran on) must pick that kernel where the profile pins
@@ -267,17 +274,17 @@ def check_ledger_on_device(probe: Probe) -> str:
     for kernel in ledger.inventory.RNG_OUTPUTS if probe.cuda else ():
         for dropout in (False, True):
             try:
-                weighed = ledger.inventory._rng_outputs(kernel, True, dropout)
+                weighed = _rng_bytes(ledger.inventory._rng_outputs(kernel, True, dropout))
             # a kernel this GPU or its libraries cannot run: named in the report, not guessed
             except (RuntimeError, NotImplementedError) as refusal:
                 rng_unprobed.append(
                     f"{kernel}{' with dropout' if dropout else ''} ({str(refusal).splitlines()[0][:80]})"
                 )
                 continue
-            paper = ledger.inventory._rng_outputs(kernel, False, dropout)
+            paper = _rng_bytes(ledger.inventory._rng_outputs(kernel, False, dropout))
             require(
                 weighed == paper,
-                f"{kernel}{' with dropout' if dropout else ''}: RNG seed and offset (shape, bytes, on the device) "
+                f"{kernel}{' with dropout' if dropout else ''}: RNG seed and offset (bytes, on the device) "
                 f"weighed on this GPU {weighed}, the paper rule says {paper} (ledger.inventory.RNG_OUTPUTS)",
             )
             rng_placement.append(f"{kernel}{'+dropout' if dropout else ''}")

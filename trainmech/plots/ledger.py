@@ -44,7 +44,7 @@ def lifecycle_chart(rows, phases: list[str]):
         if consumed in x and consumed != released:
             ax.plot(x[consumed], y, "o", color="black", ms=3)
         ax.annotate(
-            f"{nbytes / 2**10:,.0f} KiB",
+            f"{nbytes / 2**10:,.0f} KiB" if nbytes >= 2**10 else f"{nbytes} B",  # 4 B is not "0 KiB"
             (end, y),
             xytext=(3, 0),
             textcoords="offset points",
