@@ -95,7 +95,12 @@ class MemoryHistory(dict):
     def peak_bytes(self) -> int:
         """The most bytes its blocks hold at once: the top of the drawn bands (the baseline, alive before the
         recording began, is not in it)."""
-        change = [0] * (max([self.events, *(b.born + 1 for b in self.blocks)]) + 1)
+        ends = [
+            self.events,
+            *(b.born for b in self.blocks),
+            *(b.died for b in self.blocks if b.died is not None),
+        ]
+        change = [0] * (max(ends) + 2)
         for block in self.blocks:
             change[block.born] += block.nbytes
             if block.died is not None:
