@@ -479,6 +479,8 @@ def test_the_cuda_rule_for_16_bit_puts_cudnn_first_on_sm90_and_sm100_with_a_new_
     assert rule(h200, dropout=True) == rule(h200, dropout=0.25) == "cudnn"  # on cuDNN's 1/16 grid
     # check_cudnn_dropout: a probability off the 1/16 grid refuses cuDNN; flash (or efficient with a mask) runs
     assert rule(h200, dropout=0.1) == "flash" and rule(h200, dropout=0.1, padded=True) == "efficient"
+    deterministic = dataclasses.replace(h200, deterministic=True)  # check_cudnn_deterministic refuses cuDNN
+    assert rule(deterministic) == "flash" and "deterministic algorithms" in deterministic.describe()
     assert (
         rule(h200, "fp32") == "math" and rule(h200, "fp32", padded=True) == "efficient"
     )  # cuDNN: 16-bit only
@@ -509,6 +511,14 @@ def test_this_process_reads_its_own_stack(monkeypatch):
     assert stack.cudnn == torch.backends.cudnn.version() and stack.cuda_build == "13.0"
     monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
     assert not ledger.sdpa_stack().cudnn_deprioritized and ledger.sdpa_stack().cudnn is None
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert ledger.sdpa_stack((9, 0), "13.0").deterministic and not ledger.sdpa_stack().deterministic
+        torch.use_deterministic_algorithms(True, warn_only=True)  # warn-only: cuDNN stays allowed
+        assert not ledger.sdpa_stack((9, 0), "13.0").deterministic
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
 def test_the_rule_is_claimed_only_where_the_profile_pins_torch():
@@ -1679,6 +1689,14 @@ def test_task4_cells_run_with_cudas_terms_and_choices_forced_on_a_cpu(cuda_force
     )
     reported = dataclasses.replace(peaks, source="cuda", measured_reserved=peaks.model.reserved_peak)
     assert reported.reserved_error == 0.0  # segment reuse: test_the_allocator_model_rounds_caches_and_splits
+    # the CUDA-only claim that the model beats the unrounded tensor count: a measured peak at the model's wins,
+    # a model that returned the tensor peak itself ties and fails
+    at_model = dataclasses.replace(reported, measured_allocated=peaks.model.allocated_peak)
+    assert terms.allocator_rounds and at_model.model_beats_tracked
+    unrounded = dataclasses.replace(
+        at_model, model=dataclasses.replace(peaks.model, allocated_peak=peaks.tracked_bytes)
+    )
+    assert not unrounded.model_beats_tracked
     assert f"{reported.measured_reserved:,}" in reported.lines()[-1] and len(reported.lines()) == 3
     monkeypatch.setenv(
         "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"

@@ -269,7 +269,8 @@ NOTEBOOK_CELLS = {
     "Task4:cuda-allocator-peaks": "one path: ledger.allocator_pair keeps the CUDA-measured pair (the caching allocator counted), "
     "ledger.allocated_reserved replays CUDA's allocator model (PYTORCH_CUDA_ALLOC_CONF checked) and the model's allocated peak "
     "is claimed within TERMS.allocator_model_tolerance of torch.cuda's, its reserved peak within "
-    "TERMS.reserved_model_tolerance of torch.cuda's (CUDA only: the CPU allocator reports none); the warm-up's cuBLAS workspaces claimed > 0 "
+    "TERMS.reserved_model_tolerance of torch.cuda's (CUDA only: the CPU allocator reports none), and nearer torch.cuda's allocated peak "
+    "than the tracked tensors are (TERMS.allocator_rounds, CUDA only); the warm-up's cuBLAS workspaces claimed > 0 "
     "(TERMS.blas_workspace_measured); the allocator history printed (CPU: the profiler's allocator, and the tracked "
     "tensors within 1 %)",
     "Task4:record-state-ledger": "the record's fields from ledger.record_fields(on_cuda=TERMS.on_cuda): the step's own "

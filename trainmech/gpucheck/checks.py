@@ -327,6 +327,10 @@ def check_ledger_on_device(probe: Probe) -> str:
         f"the allocator model beside the {peaks.source} allocator's peaks: {peaks.lines()} (bounds: allocated "
         f"{terms.allocator_model_tolerance:.0%}, reserved {'not claimed' if reserved_bound is None else f'{reserved_bound:.0%}'})",
     )
+    require(  # as Task4's cuda-allocator-peaks: where the allocator rounds, the model beats the tensor count
+        not terms.allocator_rounds or peaks.model_beats_tracked,
+        f"the allocator model's allocated peak no nearer the allocator's than the tracked tensors: {peaks.lines()}",
+    )
     require(
         probe.cuda or (abs(peaks.tracked_error) <= 0.01 and peaks.reserved_error is None),
         f"the CPU allocator's peak beside the tracked tensors: {peaks.lines()}",

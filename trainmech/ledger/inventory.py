@@ -90,7 +90,9 @@ class SdpaStack:
     torch: the torch version ("2.11.0+cu130"). The GPU's facts are known only where a run sees its GPU
     (None otherwise): capability, the GPU's compute capability (major, minor); cudnn, the cuDNN version
     torch runs (torch.backends.cudnn.version(), e.g. 91501); cuda_build, the CUDA version torch was built
-    with ("13.0"); cudnn_deprioritized, the environment sets TORCH_CUDNN_SDPA_DEPRIORITIZED.
+    with ("13.0"); cudnn_deprioritized, the environment sets TORCH_CUDNN_SDPA_DEPRIORITIZED; deterministic,
+    torch.use_deterministic_algorithms(True) without warn_only, which refuses cuDNN's SDPA
+    (sdp_utils.cpp, check_cudnn_deterministic).
     """
 
     torch: str
@@ -98,6 +100,7 @@ class SdpaStack:
     cudnn: int | None = None
     cuda_build: str | None = None
     cudnn_deprioritized: bool = False
+    deterministic: bool = False
 
     @property
     def torch_minor(self) -> tuple[int, int]:
@@ -132,6 +135,8 @@ class SdpaStack:
             parts.append(f"cuDNN {self.cudnn}")
         if self.cudnn_deprioritized:
             parts.append("TORCH_CUDNN_SDPA_DEPRIORITIZED set")
+        if self.deterministic:
+            parts.append("deterministic algorithms")
         return ", ".join(parts)
 
 
@@ -149,6 +154,9 @@ def sdpa_stack(capability: tuple[int, int] | None = None, cuda_build: str | None
         torch.backends.cudnn.version() if capability is not None else None,
         cuda_build,
         os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").strip().lower() in ("1", "true", "yes", "on"),
+        capability is not None  # a GPU's fact, as cuDNN's version: read only where a run sees its GPU
+        and torch.are_deterministic_algorithms_enabled()
+        and not torch.is_deterministic_algorithms_warn_only_enabled(),
     )
 
 
@@ -174,7 +182,8 @@ def attention_kernel(
     torch, no GPU seen): 16-bit activations (autocast included) run cuDNN's kernel where the stack puts
     it first (`SdpaStack.cudnn_first`: an sm90 / sm100 GPU, a cuDNN newer than 9.15.0, torch ≥ 2.10,
     TORCH_CUDNN_SDPA_DEPRIORITIZED unset), with a mask too, unless its dropout probability is off
-    cuDNN's 1/16 grid (sdp_utils.cpp, check_cudnn_dropout: 0.1 is refused, 0.25 taken); with no GPU seen (a paper calculation) it is
+    cuDNN's 1/16 grid (sdp_utils.cpp, check_cudnn_dropout: 0.1 is refused, 0.25 taken) or the stack runs
+    deterministic algorithms (check_cudnn_deterministic); with no GPU seen (a paper calculation) it is
     not assumed first. Otherwise a padded batch comes with an attention mask, which the flash kernel
     refuses, so transformers repeats K and V to every head and the memory-efficient kernel runs. Without
     a mask: flash for 16-bit activations; in fp32 the memory-efficient kernel, except with
@@ -193,7 +202,10 @@ def attention_kernel(
         return "math" if dropout else "flash"
     stack = sdpa_stack() if stack is None else stack
     sixteen_bit = recipe(recipe_name).sixteen_bit
-    if sixteen_bit and stack.cudnn_first and (16 * float(dropout)).is_integer():  # check_cudnn_dropout
+    refused = (
+        stack.deterministic or not (16 * float(dropout)).is_integer()
+    )  # check_cudnn_deterministic, _dropout
+    if sixteen_bit and stack.cudnn_first and not refused:
         return "cudnn"
     if padded:
         return "efficient"
