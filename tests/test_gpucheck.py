@@ -370,3 +370,12 @@ def test_the_downloaded_bundle_if_present_is_complete_and_small():
     if not any(folder.glob("*.whl")):
         pytest.skip("no .whl/ here: `make gpu-bundle` builds it")
     assert bundle.check_folder(folder) == []
+
+
+def test_rng_placement_is_compared_in_bytes_not_shapes():
+    # cuDNN's op makes (1,) int64 seed and offset where its meta kernel says (): the same 8 bytes each
+    weighed, paper = (((1,), 8, True), ((1,), 8, True)), (((), 8, True), ((), 8, True))
+    assert checks._rng_bytes(weighed) == checks._rng_bytes(paper) == ((8, True), (8, True))
+    # a wrong placement or a wrong size still differs: flash's (2,) uint64 seed is 16 bytes
+    assert checks._rng_bytes((((2,), 8, True),)) != checks._rng_bytes((((), 8, True),))
+    assert checks._rng_bytes((((), 8, False),)) != checks._rng_bytes((((), 8, True),))

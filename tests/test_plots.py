@@ -107,3 +107,15 @@ def test_crowded_phase_names_are_spread_and_the_others_stay_on_their_phase():
     assert sum(placed[1:4]) / 3 == pytest.approx(
         sum(centres[1:4]) / 3
     )  # the crowded run stays centred on its phases
+
+
+@pytest.mark.task4
+def test_lifecycle_chart_labels_a_state_under_one_kib_in_bytes():
+    rows = [
+        ("loss.value", "saved", 4, "loss", "backward.loss", "backward.embed"),
+        ("layer.0.*", "saved", 3 << 10, "forward.layer.0", "backward.layer.0", "backward.layer.0"),
+    ]
+    phases = ["forward.layer.0", "loss", "backward.loss", "backward.layer.0", "backward.embed"]
+    fig = plots.lifecycle_chart(rows, phases)
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert "4 B" in labels and "3 KiB" in labels and "0 KiB" not in labels

@@ -92,6 +92,25 @@ class MemoryHistory(dict):
         block is a storage."""
         return [b for b in self.blocks if b.category == ALLOCATOR_ONLY]
 
+    def peak_bytes(self) -> int:
+        """The most bytes its blocks hold at once: the top of the drawn bands (the baseline, alive before the
+        recording began, is not in it)."""
+        ends = [
+            self.events,
+            *(b.born for b in self.blocks),
+            *(b.died for b in self.blocks if b.died is not None),
+        ]
+        change = [0] * (max(ends) + 2)
+        for block in self.blocks:
+            change[block.born] += block.nbytes
+            if block.died is not None:
+                change[block.died] -= block.nbytes
+        alive = top = 0
+        for step in change:
+            alive += step
+            top = max(top, alive)
+        return top
+
     def describe(self) -> str:
         """Where the history comes from and its size; the baseline it started from; the blocks no tensor
         state explains."""

@@ -120,8 +120,8 @@ PACKAGE = [
         "kernel choice: the ledger predicts with the SDPA kernel the forward dispatched (cuDNN, flash, efficient or math; "
         "its rule on the stack, ledger.SdpaStack: cuDNN for 16-bit where the stack puts it first, else flash; fp32 GQA math "
         "before torch EFFICIENT_GQA_SINCE, efficient when padded; held to the dispatched kernel where the profile pins "
-        "torch, DeviceTerms.torch_pinned, else a drift line); the cuDNN kernel's RNG seed and offset, flash's only with "
-        "dropout, weighed "
+        "torch, DeviceTerms.torch_pinned, else a drift line); the cuDNN and flash kernels' RNG seed and offset (dropout or not), "
+        "weighed "
         "by running the fused op on the GPU; foreach AdamW temporaries and AdamW's step counters on the host on CUDA; "
         "the warm-up's cuBLAS workspaces; lifecycles key by key within CUDA_LIFECYCLE_TOLERANCE; the allocator model's "
         "peaks beside the allocator's own, within Task4's DeviceTerms.allocator_model_tolerance and "
@@ -264,12 +264,16 @@ NOTEBOOK_CELLS = {
     "CPU byte for byte)",
     "Task4:peak-composition": "the peak's composition by category within TERMS.step_slack_bytes(layers) bytes per category "
     "(CUDA: SLACK once per layer, CPU byte for byte)",
+    "Task4:memory-history": "the history's peak plus the tracked parameters claimed equal to the tracked peak where "
+    "TERMS.exact_points (CPU: the tracker's own history); on CUDA the allocator's history is drawn and its baseline "
+    "and unexplained blocks printed",
     "Task4:baseline-peaks": "the byte-for-byte claim over every point is made where TERMS.exact_points (CPU only; CUDA: "
     "within 5 %, the count of exact points printed)",
     "Task4:cuda-allocator-peaks": "one path: ledger.allocator_pair keeps the CUDA-measured pair (the caching allocator counted), "
     "ledger.allocated_reserved replays CUDA's allocator model (PYTORCH_CUDA_ALLOC_CONF checked) and the model's allocated peak "
     "is claimed within TERMS.allocator_model_tolerance of torch.cuda's, its reserved peak within "
-    "TERMS.reserved_model_tolerance of torch.cuda's (CUDA only: the CPU allocator reports none); the warm-up's cuBLAS workspaces claimed > 0 "
+    "TERMS.reserved_model_tolerance of torch.cuda's (CUDA only: the CPU allocator reports none), and nearer torch.cuda's allocated peak "
+    "than the tracked tensors are (TERMS.allocator_rounds, CUDA only); the warm-up's cuBLAS workspaces claimed > 0 "
     "(TERMS.blas_workspace_measured); the allocator history printed (CPU: the profiler's allocator, and the tracked "
     "tensors within 1 %)",
     "Task4:record-state-ledger": "the record's fields from ledger.record_fields(on_cuda=TERMS.on_cuda): the step's own "
@@ -352,8 +356,8 @@ KERNEL_CHOICE_CELLS = {
     ),
     "Task4:bf16-layer-saved": (
         "bf16 per-layer saved bytes against the dispatched kernel's inventory within SLACK = ledger.CUDA_SLACK_BYTES_PER_LAYER bytes per layer; its SDPA term "
-        "carries the RNG seed and offset the dispatched kernel keeps on this GPU, weighed there (cuDNN keeps them on "
-        "the device; flash only with dropout; ledger.rng_state_saved)",
+        "carries the RNG seed and offset the dispatched kernel keeps on this GPU, weighed there (cuDNN and flash keep "
+        "them on the device, dropout or not; ledger.rng_state_saved)",
         None,
     ),
     "Task5:layer-saved-inventory": (

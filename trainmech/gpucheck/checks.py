@@ -10,6 +10,7 @@ covers is the registry's (trainmech.gpucheck.branches).
 
 from __future__ import annotations
 
+import math
 import tempfile
 from contextlib import nullcontext
 
@@ -203,6 +204,12 @@ def _untracked_steady_peak(probe: Probe) -> int:
     return _allocator_peak(model, optimizer, batch, lambda m: nullcontext())
 
 
+def _rng_bytes(outputs) -> tuple[tuple[int, bool], ...]:
+    """(bytes, on the device) of each RNG output `ledger.inventory._rng_outputs` names: its bytes, not its
+    shape (cuDNN's op makes (1,) int64 tensors where its meta kernel says (); both are 8 bytes)."""
+    return tuple((math.prod(shape) * element_bytes, on_device) for shape, element_bytes, on_device in outputs)
+
+
 def check_ledger_on_device(probe: Probe) -> str:
     """The ledger predicts with the kernel the forward dispatched (fp32 unpadded and padded, bf16); its rule
     (`ledger.attention_kernel`, on the stack the point ran on) must pick that kernel where the profile pins
@@ -212,7 +219,8 @@ def check_ledger_on_device(probe: Probe) -> str:
     model's allocated / reserved peaks within Task4's terms of the measured ones (DeviceTerms.
     allocator_model_tolerance / reserved_model_tolerance, one value with the notebook), and the
     record's allocated peak within PEAK_AGREEMENT_BYTES of the allocator's over an untracked steady step
-    (`_untracked_steady_peak`; CPU: the record's tracked peak against the CPU allocator's)."""
+    (`_untracked_steady_peak`) and at least its tracked peak (CPU: the record's tracked peak against the CPU
+    allocator's)."""
     first, steady = ledger.measure_point(
         probe.model_name, probe.batch, probe.seq, run_mode=probe.mode, seed=0, warmup=True
     )
@@ -277,6 +285,27 @@ def check_ledger_on_device(probe: Probe) -> str:
         f"bf16 saved bytes per layer {added} vs the {bf16.kernel} inventory's {inventory:,} "
         f"(RNG state rows: {rng or 'none'})",
     )
+    # where each fused kernel keeps its RNG seed and offset: weighed on this GPU against the paper rule
+    # (the meta kernel's shapes and ledger.inventory.RNG_OUTPUTS), with and without dropout, so a wrong
+    # placement entry fails here and not only in a book that happens to dispatch that kernel
+    rng_placement, rng_unprobed = [], []
+    for kernel in ledger.inventory.RNG_OUTPUTS if probe.cuda else ():
+        for dropout in (False, True):
+            try:
+                weighed = _rng_bytes(ledger.inventory._rng_outputs(kernel, True, dropout))
+            # a kernel this GPU or its libraries cannot run: named in the report, not guessed
+            except (RuntimeError, NotImplementedError) as refusal:
+                rng_unprobed.append(
+                    f"{kernel}{' with dropout' if dropout else ''} ({str(refusal).splitlines()[0][:80]})"
+                )
+                continue
+            paper = _rng_bytes(ledger.inventory._rng_outputs(kernel, False, dropout))
+            require(
+                weighed == paper,
+                f"{kernel}{' with dropout' if dropout else ''}: RNG seed and offset (bytes, on the device) "
+                f"weighed on this GPU {weighed}, the paper rule says {paper} (ledger.inventory.RNG_OUTPUTS)",
+            )
+            rng_placement.append(f"{kernel}{'+dropout' if dropout else ''}")
     # SDPA's math composite in bf16, forced, without and with dropout: fp32 q, k, v and probabilities
     # (it upcasts), and the dropout mask (bool on CUDA, fp32 on the CPU), against the ledger's inventory
     math_rows = []
@@ -316,6 +345,10 @@ def check_ledger_on_device(probe: Probe) -> str:
         f"the allocator model beside the {peaks.source} allocator's peaks: {peaks.lines()} (bounds: allocated "
         f"{terms.allocator_model_tolerance:.0%}, reserved {'not claimed' if reserved_bound is None else f'{reserved_bound:.0%}'})",
     )
+    require(  # as Task4's cuda-allocator-peaks: where the allocator rounds, the model beats the tensor count
+        not terms.allocator_rounds or peaks.model_beats_tracked,
+        f"the allocator model's allocated peak no nearer the allocator's than the tracked tensors: {peaks.lines()}",
+    )
     require(
         probe.cuda or (abs(peaks.tracked_error) <= 0.01 and peaks.reserved_error is None),
         f"the CPU allocator's peak beside the tracked tensors: {peaks.lines()}",
@@ -324,15 +357,25 @@ def check_ledger_on_device(probe: Probe) -> str:
         steady, [first, steady], worst_error=0.0, on_cuda=probe.cuda, updates=[first, steady]
     )
     require(fields["correctness"]["all_finite"] is True, f"the record's correctness: {fields['correctness']}")
-    if (
-        probe.cuda
-    ):  # the record's peak against another instrument: the allocator over an untracked steady step
+    if probe.cuda:  # the record's peak against two other instruments
+        # the allocator over an untracked steady step of the same point (plus its state bytes)
         direct = _untracked_steady_peak(probe)
-        recorded = fields["resources"]["peak_allocated_bytes"]
+        # and the tracked storages below it (every tracked device storage is an allocator block, rounded up; the
+        # bytes outside the step are taken off the allocator's count, so a mis-counted outside_bytes or a storage
+        # counted twice fails)
+        recorded, tracked = (
+            fields["resources"]["peak_allocated_bytes"],
+            fields["metrics"]["tracked_peak_bytes"],
+        )
         require(
             recorded is not None and abs(recorded - direct) <= PEAK_AGREEMENT_BYTES,
             f"the record's peak_allocated_bytes {recorded} vs the allocator's peak over an untracked steady step "
             f"of the same point, plus its state bytes, {direct:,} B (within {PEAK_AGREEMENT_BYTES:,} B)",
+        )
+        require(
+            tracked <= recorded,
+            f"the record's peak_allocated_bytes {recorded} (torch.cuda.max_memory_allocated() minus the bytes "
+            f"outside the step, {steady.measured.outside_bytes}) below its tracked peak {tracked:,}",
         )
     else:  # the record's tracked peak (this run's tracker) against another instrument: the profiler's run above
         tracked = fields["metrics"]["cpu_tracked_peak_bytes"]
@@ -346,7 +389,8 @@ def check_ledger_on_device(probe: Probe) -> str:
             f"; the ledger's rule said {rules[0]} / {rules[1]} / bf16 {rules[2]} ({first.stack.describe()}); "
             f"rule drift: {'; '.join(drift) or 'none'}; cuBLAS workspaces {first.workspace_bytes:,} B; "
             f"allocator model allocated {peaks.allocated_error:+.1%}, reserved {peaks.reserved_error:+.1%} "
-            "off the measured peaks"
+            "off the measured peaks; RNG placement weighed as the paper rule says: "
+            f"{', '.join(rng_placement) or 'none'}{'; not probed: ' + '; '.join(rng_unprobed) if rng_unprobed else ''}"
         )
     return (
         f"kernels {kernels[0]} / {kernels[1]} (padded) dispatched and predicted with; foreach={probe.cuda}; {errors}; "

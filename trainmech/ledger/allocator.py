@@ -228,6 +228,7 @@ UNMODELLED_ALLOC_CONF = (
     "max_split_size_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",
+    "backend:cudamallocasync",
 )  # settings the replay does not follow
 
 
@@ -235,8 +236,9 @@ def check_alloc_conf(conf: str | None) -> None:
     """Refuse an allocator configuration the replay does not model (PYTORCH_CUDA_ALLOC_CONF /
     PYTORCH_ALLOC_CONF): expandable segments grow one segment instead of reserving new ones,
     max_split_size_mb stops large blocks from being split, roundup_power2_divisions changes
-    round_size (no longer every block up to 512 B), and garbage_collection_threshold frees cached
-    blocks; each moves a peak. `conf` is the environment's string: settings changed at run time
+    round_size (no longer every block up to 512 B), garbage_collection_threshold frees cached
+    blocks, and backend:cudaMallocAsync replaces the caching allocator with CUDA's memory pool (no 2 / 20
+    MiB segments, no 512 B blocks); each moves a peak. `conf` is the environment's string: settings changed at run time
     (torch.cuda.memory._set_allocator_settings) are not seen."""
     given = (conf or "").replace(" ", "").lower()
     found = [setting for setting in UNMODELLED_ALLOC_CONF if setting in given]

@@ -343,7 +343,9 @@ def measure_point(
     dropout = attention_dropout > 0
     gpu = (torch.cuda.get_device_capability(device), torch.version.cuda) if device.type == "cuda" else ()
     stack = sdpa_stack(*gpu)  # the torch (and on CUDA the GPU) the rule is read for
-    rule = attention_kernel(shape, dtype, device.type, attention, padded=padded, dropout=dropout, stack=stack)
+    rule = attention_kernel(  # the probability itself: cuDNN refuses one off its 1/16 grid
+        shape, dtype, device.type, attention, padded=padded, dropout=attention_dropout, stack=stack
+    )
     out = []
     recording = (
         measure.cuda_memory_history(device) if memory_history else nullcontext(measure.MemoryHistory())

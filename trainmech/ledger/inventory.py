@@ -90,7 +90,9 @@ class SdpaStack:
     torch: the torch version ("2.11.0+cu130"). The GPU's facts are known only where a run sees its GPU
     (None otherwise): capability, the GPU's compute capability (major, minor); cudnn, the cuDNN version
     torch runs (torch.backends.cudnn.version(), e.g. 91501); cuda_build, the CUDA version torch was built
-    with ("13.0"); cudnn_deprioritized, the environment sets TORCH_CUDNN_SDPA_DEPRIORITIZED.
+    with ("13.0"); cudnn_deprioritized, the environment sets TORCH_CUDNN_SDPA_DEPRIORITIZED; deterministic,
+    torch.use_deterministic_algorithms(True) without warn_only, which refuses cuDNN's SDPA
+    (sdp_utils.cpp, check_cudnn_deterministic).
     """
 
     torch: str
@@ -98,6 +100,7 @@ class SdpaStack:
     cudnn: int | None = None
     cuda_build: str | None = None
     cudnn_deprioritized: bool = False
+    deterministic: bool = False
 
     @property
     def torch_minor(self) -> tuple[int, int]:
@@ -132,6 +135,8 @@ class SdpaStack:
             parts.append(f"cuDNN {self.cudnn}")
         if self.cudnn_deprioritized:
             parts.append("TORCH_CUDNN_SDPA_DEPRIORITIZED set")
+        if self.deterministic:
+            parts.append("deterministic algorithms")
         return ", ".join(parts)
 
 
@@ -149,6 +154,9 @@ def sdpa_stack(capability: tuple[int, int] | None = None, cuda_build: str | None
         torch.backends.cudnn.version() if capability is not None else None,
         cuda_build,
         os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").strip().lower() in ("1", "true", "yes", "on"),
+        capability is not None  # a GPU's fact, as cuDNN's version: read only where a run sees its GPU
+        and torch.are_deterministic_algorithms_enabled()
+        and not torch.is_deterministic_algorithms_warn_only_enabled(),
     )
 
 
@@ -159,10 +167,12 @@ def attention_kernel(
     attention: str = "auto",
     *,
     padded: bool = False,
-    dropout: bool = False,
+    dropout: bool | float = False,
     stack: SdpaStack | None = None,
 ) -> str:
     """The ledger's rule for the SDPA kernel of this layer (flash / efficient / cudnn / math).
+
+    dropout: the attention dropout probability, or a bool (True: a probability on cuDNN's 1/16 grid).
 
     CPU: its flash kernel, for any dtype, with or without a mask, as long as there is no attention
     dropout; with dropout_p > 0 (a config's attention_dropout, in train mode) the math composite, whose
@@ -171,7 +181,9 @@ def attention_kernel(
     memory-efficient and cuDNN kernels take a dropout_p), on the stack `stack` (default: this process's
     torch, no GPU seen): 16-bit activations (autocast included) run cuDNN's kernel where the stack puts
     it first (`SdpaStack.cudnn_first`: an sm90 / sm100 GPU, a cuDNN newer than 9.15.0, torch ≥ 2.10,
-    TORCH_CUDNN_SDPA_DEPRIORITIZED unset), with a mask too; with no GPU seen (a paper calculation) it is
+    TORCH_CUDNN_SDPA_DEPRIORITIZED unset), with a mask too, unless its dropout probability is off
+    cuDNN's 1/16 grid (sdp_utils.cpp, check_cudnn_dropout: 0.1 is refused, 0.25 taken) or the stack runs
+    deterministic algorithms (check_cudnn_deterministic); with no GPU seen (a paper calculation) it is
     not assumed first. Otherwise a padded batch comes with an attention mask, which the flash kernel
     refuses, so transformers repeats K and V to every head and the memory-efficient kernel runs. Without
     a mask: flash for 16-bit activations; in fp32 the memory-efficient kernel, except with
@@ -190,7 +202,10 @@ def attention_kernel(
         return "math" if dropout else "flash"
     stack = sdpa_stack() if stack is None else stack
     sixteen_bit = recipe(recipe_name).sixteen_bit
-    if sixteen_bit and stack.cudnn_first:
+    refused = (
+        stack.deterministic or not (16 * float(dropout)).is_integer()
+    )  # check_cudnn_deterministic, _dropout
+    if sixteen_bit and stack.cudnn_first and not refused:
         return "cudnn"
     if padded:
         return "efficient"
@@ -241,12 +256,13 @@ def norm_saved(
 
 
 # Where each fused SDPA op returns the philox seed and offset its autograd node keeps for the backward,
-# and whether they live on the device (with dropout, without): flash keeps them there only when it drops
-# out (PyTorch's vendored FlashAttention-2, mha_fwd: p_dropout == 0 outside graph capture makes both
-# at::empty({}, kLong), host tensors); cuDNN keeps them there; the memory-efficient kernel on the host
-# (outside graph capture). No device byte holds a host tensor.
+# and whether they live on the device (with dropout, without): flash keeps both there, dropout or not
+# (FlashAttention-2's mha_fwd since "[Note] BC breaking change to flash seed/offset", pytorch #146372,
+# torch >= 2.7: rng_state = at::empty({2}, kUInt64) and _unused = at::empty({}, kUInt64) on kCUDA; the
+# meta kernel's uint64 (2,) seed is that code's shape, a CPU test holds it); cuDNN keeps them there; the
+# memory-efficient kernel on the host (outside graph capture). No device byte holds a host tensor.
 RNG_OUTPUTS = {
-    "flash": ((6, 7), True, False),
+    "flash": ((6, 7), True, True),
     "cudnn": ((6, 7), True, True),
     "efficient": ((2, 3), False, False),
 }
@@ -293,7 +309,7 @@ def rng_state_saved(
 ) -> list[SavedTensor]:
     """The RNG state one SDPA call keeps on the device for its backward. CPU: none (its kernels return
     output and logsumexp only); math: none (its dropout mask is a tensor of its own). CUDA: the seed and
-    offset of the fused kernel that stay on the device (`_rng_outputs`; flash's only with `dropout`):
+    offset of the fused kernel that stay on the device (`_rng_outputs`: flash's and cuDNN's):
     weighed on this process's GPU when `weigh` (the caller measures there), else the meta kernel's
     shapes and RNG_OUTPUTS, whatever GPU the machine has."""
     if device != "cuda" or kernel not in RNG_OUTPUTS:

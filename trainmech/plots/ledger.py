@@ -44,7 +44,7 @@ def lifecycle_chart(rows, phases: list[str]):
         if consumed in x and consumed != released:
             ax.plot(x[consumed], y, "o", color="black", ms=3)
         ax.annotate(
-            f"{nbytes / 2**10:,.0f} KiB",
+            f"{nbytes / 2**10:,.0f} KiB" if nbytes >= 2**10 else f"{nbytes} B",  # 4 B is not "0 KiB"
             (end, y),
             xytext=(3, 0),
             textcoords="offset points",
@@ -107,8 +107,8 @@ def memory_timeline(measured, book):
     bounds = sorted(starts.items(), key=lambda kv: kv[1]) + [("end", len(phases))]
     spans = list(zip(bounds, bounds[1:]))
     centres = [(a + b) / 2 for (_, a), (_, b) in spans]
-    # rotated 6-pt names need about 1.6% of the axis apart: short phases (f.head, loss, b.loss) are spread
-    placed = _spread(centres, 0.016 * len(phases))
+    # rotated 7.5-pt names need about 2% of the axis apart: short phases (f.head, loss, b.loss) are spread
+    placed = _spread(centres, 0.02 * len(phases))
     for ((p, a), (_, b)), centre, x in zip(spans, centres, placed):
         top.axvline(a, color="0.85", lw=0.6)
         if p in phase_maxima:
@@ -128,7 +128,7 @@ def memory_timeline(measured, book):
             xytext=(x, 0.07 if moved else 0.01),
             textcoords=("data", "axes fraction"),
             rotation=90,
-            fontsize=6,
+            fontsize=7.5,
             ha="center",
             va="bottom",
             color="0.35",
