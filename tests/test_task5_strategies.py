@@ -1135,3 +1135,25 @@ def test_same_replays_maps_each_partial_region_to_its_layer_in_the_full_run():
     swapped = C.RecomputeCount(regions=[C.Region(recomputed=ops(i, 1 - f)) for f in range(2) for i in (0, 2)])
     assert not C.same_replays(full, swapped, [0, 2], 4)  # the right layers of the other forward
     assert not C.same_replays(full, C.RecomputeCount(regions=half.regions[:3]), [0, 2], 4)  # a region missing
+
+
+def test_checkpoint_relations_follow_the_ledger_for_the_workload_not_the_cpu_shape():
+    """scenario-matrix on a GPU smoke shape: at 128 tokens the ledger puts both forward + backward peaks at the tied
+    embedding's accumulation (checkpoint cannot lower it), so the claim must expect "=" there; a measurement that
+    is lower, or one off by more than the margin, is told apart."""
+    from trainmech import ledger, profiles
+
+    assert [ledger.scenarios.relation(a, 100, 1.01) for a in (98, 100, 100.9, 102)] == ["<", "=", "=", ">"]
+    spec = profiles.for_mode("TRAIN-CUDA-MECHANISM").workload("smoke-b2s128")
+    rows = ledger.scenario_matrix(
+        spec.model, spec.batch, spec.seq, dtype="fp32", device="cuda", optimizer_steps=("foreach",)
+    )
+    exact = {
+        (r.strategy, r.update, r.optimizer_step): (r.forward_backward.bytes, r.whole.bytes) for r in rows
+    }
+    relations = ledger.scenarios.checkpoint_relations(rows, exact, 1.01)
+    assert relations["fwd+bwd"] == ("=", "=")
+    lowered = dict(exact)
+    fb, whole = exact["checkpoint", "steady", "foreach"]
+    lowered["checkpoint", "steady", "foreach"] = (fb * 0.9, whole)
+    assert ledger.scenarios.checkpoint_relations(rows, lowered, 1.01)["fwd+bwd"] == ("=", "<")

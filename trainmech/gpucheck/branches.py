@@ -291,7 +291,7 @@ NOTEBOOK_CELLS = {
     "Task5:strategy-peaks": "ledger-vs-measured peak claims are CPU-only",
     "Task5:saved-at-forward-end": "saved-bytes claims are CPU-only",
     "Task5:peak-composition": "peak phase and composition claims are CPU-only",
-    "Task5:scenario-matrix": "the scenario matrix with the allocator's peaks on CUDA (the checkpoint claim on them); the 1 % claim on tracked bytes CPU-only",
+    "Task5:scenario-matrix": "the scenario matrix with the allocator's peaks on CUDA, checkpoint's two relations (fwd+bwd vs the baseline, whole update vs fwd+bwd) held to the ledger's for the workload within no_higher_slack; the 1 % claim on tracked bytes and the CPU shape's phases CPU-only",
     "Task5:scenario-gpu": "the allocator's whole-update peaks of the rows the ledger puts at the optimizer step within 1 % "
     "of each other, the other rows above them (CUDA only; on CPU the rows are printed)",
     "Task5:in-backward": "optimizer-in-backward within 1e-5 of AdamW on CUDA, bitwise on CPU",

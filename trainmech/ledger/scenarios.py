@@ -45,6 +45,8 @@ __all__ = [
     "change",
     "drops",
     "worst_peak_error",
+    "relation",
+    "checkpoint_relations",
     "bytes_per_row",
     "render_matrix",
     "render_rows",
@@ -223,6 +225,38 @@ def worst_peak_error(rows: list[Scenario], measured_rows: dict) -> float:
             (r.forward_backward.bytes, r.whole.bytes), measured_rows[(r.strategy, r.update, r.optimizer_step)]
         )
     )
+
+
+def relation(a: float, b: float, margin: float = 1.0) -> str:
+    """How `a` stands to `b`: "<" or ">" when it is beyond `margin` (a ratio, 1 = exact) on that side, else "=" (within
+    the margin: a difference the allocator's rounding could make)."""
+    if a * margin < b:
+        return "<"
+    if a > margin * b:
+        return ">"
+    return "="
+
+
+def checkpoint_relations(
+    rows: list[Scenario], measured_rows: dict, margin: float = 1.0
+) -> dict[str, tuple[str, str]]:
+    """For a steady foreach update, (predicted, measured) relations of checkpoint's forward + backward peak to the
+    baseline's ("fwd+bwd") and of checkpoint's whole-update peak to its own forward + backward peak ("update"):
+    the ledger's from `rows`, the measurement's from `measured_rows` (as in `worst_peak_error`), each by `relation`."""
+    led = {
+        r.strategy: (r.forward_backward.bytes, r.whole.bytes)
+        for r in rows
+        if (r.update, r.optimizer_step) == ("steady", "foreach")
+    }
+    got = {s: measured_rows[(s, "steady", "foreach")] for s in ("baseline", "checkpoint")}
+    pairs = {
+        "fwd+bwd": lambda p: (p["checkpoint"][0], p["baseline"][0]),
+        "update": lambda p: (p["checkpoint"][1], p["checkpoint"][0]),
+    }
+    return {
+        name: (relation(*pick(led), margin=margin), relation(*pick(got), margin=margin))
+        for name, pick in pairs.items()
+    }
 
 
 END_OF_FORWARD = (
