@@ -1916,6 +1916,7 @@ def test_held_against_rule_divides_from_the_stage_that_partitions_each_category(
         "parameters",
     ]
     assert len(held.table().splitlines()) == 4
+    assert held.table(caption=True).splitlines() == [ledger.zero.HELD_CAPTION, *held.table().splitlines()]
 
 
 def test_points_table_and_peak_phase_groups():

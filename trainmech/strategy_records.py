@@ -43,6 +43,7 @@ __all__ = [
     "alive_at",
     "saved_outside_layers",
     "saved_gone_before",
+    "saved_at_end_table",
     "recompute_report",
     "dispatch_report",
 ]
@@ -338,6 +339,17 @@ def saved_gone_before(book: ledger.Ledger, tick: str) -> dict[str, int]:
         for st in book.states
         if st.category == "saved" and index[st.created] <= last < index[st.released_at] < at
     }
+
+
+def saved_at_end_table(books: dict[str, ledger.Ledger], saved: dict[str, int]) -> str:
+    """Saved bytes at the forward's end, per strategy (`saved`: name -> measured, the baseline's among them): the
+    ledger's prediction ("—" where `books` has no ledger for it), the measurement, and what it dropped or moved
+    against the baseline's."""
+    rows = [
+        [name, books[name].saved_after_forward() if name in books else "—", got, saved["baseline"] - got]
+        for name, got in saved.items()
+    ]
+    return format_table(["saved at forward end", "predicted", "measured", "dropped / moved"], rows)
 
 
 FETCHED = " (fetched back)"  # the suffix ledger.Ledger.offloaded gives the device copy an H2D brings back

@@ -66,9 +66,11 @@ from trainmech.ledger.inventory import (
 )
 from trainmech.ledger.measured_matrix import (
     Measured,
+    matrix_heading,
     measure_matrix,
     measured_peaks,
     measured_saved_after_forward,
+    peak_pairs,
     tracked_step,
 )
 from trainmech.ledger.peers import benchmark
@@ -161,6 +163,8 @@ __all__ = [
     "scenario_matrix",
     "Measured",
     "measure_matrix",
+    "matrix_heading",
+    "peak_pairs",
     "measured_peaks",
     "measured_saved_after_forward",
     "tracked_step",

@@ -2,6 +2,8 @@
 
     measure_matrix(model, batch, initial, strategies=…, optimizers=…)   (strategy, update, optimizer) -> Measured
     measured_peaks(step_memory)     (forward + backward peak, whole-update peak) of one tracked step
+    peak_pairs(measured, allocator=…)   each cell's two peaks, the CUDA allocator's or tracked tensor bytes
+    matrix_heading(spec, recipe, device, allocator=…)   the line above the matrix: workload and instrument
 
 The paper side of the same matrix is `trainmech.ledger.scenarios`. torch and trainmech.measure are imported
 inside the functions that run a model: the ledger itself imports without them.
@@ -23,6 +25,8 @@ __all__ = [
     "Measured",
     "tracked_step",
     "measure_matrix",
+    "peak_pairs",
+    "matrix_heading",
 ]
 
 UPDATE_TICKS = ("optimizer", "zero_grad")  # a tracked step's events after its backward
@@ -88,6 +92,24 @@ def measure_matrix(
             out[(name, update, opt_name)] = Measured(fb, whole, *probe)
     model.load_state_dict(initial)
     return out
+
+
+def peak_pairs(measured: dict[tuple, Measured], *, allocator: bool) -> dict[tuple, tuple[int, int]]:
+    """(strategy, update, optimizer) -> (forward + backward peak, whole-update peak): the CUDA allocator's when
+    `allocator`, else tracked tensor bytes (the form `scenarios.worst_peak_error` and `render_rows` read)."""
+    return {
+        k: (m.forward_backward_allocated, m.whole_allocated)
+        if allocator
+        else (m.forward_backward_bytes, m.whole_bytes)
+        for k, m in measured.items()
+    }
+
+
+def matrix_heading(spec, recipe: str, device: str, *, allocator: bool) -> str:
+    """The line above a measured matrix: the workload (`spec`: a profile's workload, with .model, .batch and .seq),
+    and which instrument the measured columns come from."""
+    instrument = "CUDA allocator" if allocator else "tracked tensor bytes"
+    return f"{spec.model}, batch {spec.batch} x seq {spec.seq}, {recipe} on {device}: the ledger, and measured ({instrument})"
 
 
 def _allocator_probe(model, optimizer, batch: dict, context) -> tuple[int, int, int]:

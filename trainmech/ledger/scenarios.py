@@ -47,6 +47,7 @@ __all__ = [
     "worst_peak_error",
     "relation",
     "checkpoint_relations",
+    "render_relations",
     "bytes_per_row",
     "render_matrix",
     "render_rows",
@@ -257,6 +258,14 @@ def checkpoint_relations(
         name: (relation(*pick(led), margin=margin), relation(*pick(got), margin=margin))
         for name, pick in pairs.items()
     }
+
+
+def render_relations(relations: dict[str, tuple[str, str]]) -> str:
+    """One line for `checkpoint_relations`: each relation, the ledger's then the measurement's."""
+    return (
+        "foreach steady update, checkpoint's fwd+bwd peak vs the baseline's, its whole-update peak vs its fwd+bwd "
+        "peak (ledger, measured): " + ", ".join(f"{k} {p} {m}" for k, (p, m) in relations.items())
+    )
 
 
 END_OF_FORWARD = (

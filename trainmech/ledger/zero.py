@@ -431,6 +431,12 @@ FIRST_STAGE_SPLITTING = {
 }  # ZeRO: the stage that partitions each
 
 
+HELD_CAPTION = (
+    "the heaviest rank's bytes held (parameters, optimizer states: after the update; gradients: when it starts) "
+    "÷ ZeRO's bytes per device (the rank a device's memory must fit)"
+)
+
+
 @dataclass(frozen=True)
 class HeldAgainstRule:
     """The heaviest rank's held bytes against ZeRO's bytes per device, keyed (stage, N, category):
@@ -439,9 +445,10 @@ class HeldAgainstRule:
     ratio: dict[tuple[int, int, str], float]
     excess: dict[tuple[int, int, str], float]
 
-    def table(self) -> str:
-        """One row per (N, stage), one column per category: the ratios."""
-        rows = [f"{'N':>2} {'stage':>5}" + "".join(f"{c:>18}" for c in FIRST_STAGE_SPLITTING)]
+    def table(self, *, caption: bool = False) -> str:
+        """One row per (N, stage), one column per category: the ratios; `caption` puts what they divide above."""
+        rows = [HELD_CAPTION] if caption else []
+        rows.append(f"{'N':>2} {'stage':>5}" + "".join(f"{c:>18}" for c in FIRST_STAGE_SPLITTING))
         for devices, stage in sorted({(n, s) for s, n, _ in self.ratio}):
             rows.append(
                 f"{devices:>2} {stage:>5}"
