@@ -325,6 +325,24 @@ def test_a_planted_bug_is_stopped_by_its_gate_and_only_then(gw, reference, bug):
     assert report.record_fields()["conclusion"]["failure"] == f"{gate} gate failed"
 
 
+def test_the_scheduler_bug_is_told_where_it_left_the_update_clock(gw, reference):
+    """Report.off_the_clock (Task6's scheduler cell prints it): the scheduler's steps against the effective updates,
+    and the first learning rate off the clock as an effective update and as an attempt of the reference's run, one
+    it stepped with exactly that many effective updates before it; a report stopped before gate 3 refuses."""
+    report = gate_report.judge(PLANTED["scheduler-on-skips"][0], gw, reference, measure=False)
+    evidence, stepped = report.verdict("updates").evidence, reference.trace.stepped
+    told = report.off_the_clock(stepped)
+    assert told.startswith(
+        f"scheduler moved {evidence['scheduler_steps']} times for {evidence['effective_updates']} effective updates"
+    )
+    first, attempt = map(int, re.search(r"effective update (\d+) .*which is attempt (\d+)", told).groups())
+    assert first == evidence["first_lr_mismatch"] and stepped[attempt] and sum(stepped[:attempt]) == first
+    assert attempt > first  # the reference skipped an attempt before it
+    stopped = gate_report.judge(PLANTED["rng-not-restored"][0], gw, reference, measure=False)
+    with pytest.raises(ValueError, match="never reached the updates gate"):
+        stopped.off_the_clock(stepped)
+
+
 @pytest.mark.parametrize("fixed", [FP16, CHECKPOINT, OFFLOAD], ids=lambda c: c.name)
 def test_without_the_bug_no_gate_fires(gw, reference, fixed):
     report = gate_report.judge(fixed, gw, reference, warmup=0, repeats=1)
