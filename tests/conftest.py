@@ -86,20 +86,21 @@ def tiny_profile_model(tiny_spec):
 @pytest.fixture(scope="session")
 def gpu_performance():
     """Factory: a real `performance.Performance` as a GPU run fills it: median and P95 seconds, the allocated peak
-    (reserved the same unless given) and bytes per sequence, three timed rounds of the median each (step_times_s,
-    unless given); every other field unknown (None) unless given."""
+    (`reserved` the same unless given) and bytes per sequence, `rounds` timed rounds of the median each (step_times_s,
+    unless given; the default 7 is enough for decision's interval, MIN_TIMING_ROUNDS, so a speedup can count);
+    every other field unknown (None) unless given."""
     from trainmech.performance import Performance
 
-    def build(median=1.0, p95=None, allocated=1000, per_row=100, **fields):
+    def build(median=1.0, p95=None, allocated=1000, per_row=100, reserved=None, rounds=7, **fields):
         unknown = dict.fromkeys(f.name for f in dataclasses.fields(Performance))
         times = {
             "step_time_median_s": median,
             "step_time_p95_s": median if p95 is None else p95,
-            "step_times_s": (median,) * 3,
+            "step_times_s": (median,) * rounds,
         }
         peaks = {
             "peak_allocated_bytes": allocated,
-            "peak_reserved_bytes": allocated,
+            "peak_reserved_bytes": allocated if reserved is None else reserved,
             "bytes_per_row": per_row,
         }
         return Performance(**{**unknown, "device_type": "cuda", **times, **peaks, **fields})

@@ -325,6 +325,24 @@ def test_a_planted_bug_is_stopped_by_its_gate_and_only_then(gw, reference, bug):
     assert report.record_fields()["conclusion"]["failure"] == f"{gate} gate failed"
 
 
+def test_the_scheduler_bug_is_told_where_it_left_the_update_clock(gw, reference):
+    """Report.off_the_clock (Task6's scheduler cell prints it): the scheduler's steps against the effective updates,
+    and the first learning rate off the clock as an effective update and as an attempt of the reference's run, one
+    it stepped with exactly that many effective updates before it; a report stopped before gate 3 refuses."""
+    report = gate_report.judge(PLANTED["scheduler-on-skips"][0], gw, reference, measure=False)
+    evidence, stepped = report.verdict("updates").evidence, reference.trace.stepped
+    told = report.off_the_clock(stepped)
+    assert told.startswith(
+        f"scheduler moved {evidence['scheduler_steps']} times for {evidence['effective_updates']} effective updates"
+    )
+    first, attempt = map(int, re.search(r"effective update (\d+) .*which is attempt (\d+)", told).groups())
+    assert first == evidence["first_lr_mismatch"] and stepped[attempt] and sum(stepped[:attempt]) == first
+    assert attempt > first  # the reference skipped an attempt before it
+    stopped = gate_report.judge(PLANTED["rng-not-restored"][0], gw, reference, measure=False)
+    with pytest.raises(ValueError, match="never reached the updates gate"):
+        stopped.off_the_clock(stepped)
+
+
 @pytest.mark.parametrize("fixed", [FP16, CHECKPOINT, OFFLOAD], ids=lambda c: c.name)
 def test_without_the_bug_no_gate_fires(gw, reference, fixed):
     report = gate_report.judge(fixed, gw, reference, warmup=0, repeats=1)
@@ -973,49 +991,30 @@ def test_decide_measured_counts_a_rise_within_the_slack_as_no_higher_peak(
     assert gates.decide_measured(update_drop, capacity, ratio) == outcome
 
 
-def perf(device="cuda", median=1.0, peak=1000, per_row=100, reserved=None, times=None):
-    gpu = device == "cuda"
-    return tracing.Performance(
-        device,
-        median,
-        median,
-        peak if gpu else None,
-        (peak if reserved is None else reserved) if gpu else None,
-        None,
-        None,
-        None,
-        per_row,
-        0,
-        0,
-        None,
-        None,
-        0,
-        1,
-        (median,) * 7 if times is None else times,  # the timed rounds (enough for a 90 % interval)
-    )
-
-
-def test_decide_keeps_wrong_and_not_worth_it_apart_and_decides_nothing_from_cpu_numbers():
+def test_decide_keeps_wrong_and_not_worth_it_apart_and_decides_nothing_from_cpu_numbers(gpu_performance):
+    perf = gpu_performance  # conftest's factory: a GPU run's Performance, 7 timed rounds unless given
     passed = [gates.Verdict(g, True, {}, "") for g in gates.GATES[:4]] + [
         gates.Verdict("performance", None, {}, "")
     ]
+    cpu = perf(device_type="cpu", allocated=None)  # a CPU run: no allocator peaks
     failed = passed[:1] + [gates.Verdict("gradients", False, {}, "off")]
     assert gates.decide(failed, None, None)[0] == "reject"
     assert gates.decide(failed, perf(), perf())[0] == "reject"  # a faster wrong candidate stays rejected
-    assert gates.decide(passed, perf("cpu"), perf("cpu"))[0] is None
-    assert gates.decide(passed, perf(), perf("cpu"))[0] is None
-    assert gates.decide(passed, perf(median=1.1, peak=850), perf())[0] == "accept"
-    assert gates.decide(passed, perf(median=1.1, peak=1000, per_row=20), perf())[0] == "accept"  # capacity
-    assert gates.decide(passed, perf(median=3.0, peak=650), perf())[0] == "tune"
-    assert gates.decide(passed, perf(median=1.0, peak=1000), perf())[0] == "no-gain"
-    assert gates.decide(passed, perf(median=0.8, peak=1005), perf())[0] == "accept"  # within the slack
-    assert gates.decide(passed, perf(median=0.8, peak=1020), perf())[0] == "tune"
-    assert gates.decide(passed, perf(median=1.0, peak=1200), perf())[0] == "costs-memory"
+    assert gates.decide(passed, cpu, cpu)[0] is None
+    assert gates.decide(passed, perf(), cpu)[0] is None
+    assert gates.decide(passed, perf(median=1.1, allocated=850), perf())[0] == "accept"
+    # capacity: the whole update's peak as high, bytes per sequence lower
+    assert gates.decide(passed, perf(median=1.1, allocated=1000, per_row=20), perf())[0] == "accept"
+    assert gates.decide(passed, perf(median=3.0, allocated=650), perf())[0] == "tune"
+    assert gates.decide(passed, perf(median=1.0, allocated=1000), perf())[0] == "no-gain"
+    assert gates.decide(passed, perf(median=0.8, allocated=1005), perf())[0] == "accept"  # within the slack
+    assert gates.decide(passed, perf(median=0.8, allocated=1020), perf())[0] == "tune"
+    assert gates.decide(passed, perf(median=1.0, allocated=1200), perf())[0] == "costs-memory"
     assert gates.RECORD_DECISION["no-gain"] == gates.RECORD_DECISION["costs-memory"] == "reject"
-    ref = perf(times=(1.0,) * 7)  # the candidate's rounds: 0.8 of the reference's, or scattered around it
+    ref = perf()  # the candidate's rounds: 0.8 of the reference's, or scattered around it
     steady, noisy = (
-        perf(median=0.8, times=(0.8,) * 7),
-        perf(median=0.8, times=(0.8, 0.5, 1.1, 0.8, 1.1, 0.5, 0.8)),
+        perf(median=0.8),
+        perf(median=0.8, step_times_s=(0.8, 0.5, 1.1, 0.8, 1.1, 0.5, 0.8)),
     )
     span = gates.timing_interval(steady, ref)
     assert (span.low, span.median, span.high) == pytest.approx((0.8, 0.8, 0.8))
@@ -1027,16 +1026,20 @@ def test_decide_keeps_wrong_and_not_worth_it_apart_and_decides_nothing_from_cpu_
     outcome, reason = gates.decide(passed, noisy, ref)
     assert gates.timing_spread(noisy, ref) > 0.2 and outcome == "no-gain" and "98.4% interval" in reason
     with pytest.raises(ValueError, match="step times of the same rounds"):
-        gates.timing_interval(perf(times=(1.0,) * 2), ref)
+        gates.timing_interval(perf(rounds=2), ref)
 
 
 @pytest.mark.parametrize("n, k", [(5, 1), (7, 1), (10, 2), (21, 7)])
-def test_the_timing_interval_is_the_exact_order_statistic_interval_with_its_real_coverage(n, k):
+def test_the_timing_interval_is_the_exact_order_statistic_interval_with_its_real_coverage(
+    n, k, gpu_performance
+):
     """[x(k), x(n-k+1)] of n sorted per-round ratios holds the true median with probability
     1 - 2·P(Bin(n, 1/2) ≤ k-1), distribution-free: k is the largest whose coverage reaches TIMING_INTERVAL, and
     that coverage is what is reported (checked against the binomial sum and by simulation)."""
     import math
     import random
+
+    perf = gpu_performance  # conftest's factory: a GPU run's Performance, 7 timed rounds unless given
 
     coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
     nxt = 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n
@@ -1046,49 +1049,56 @@ def test_the_timing_interval_is_the_exact_order_statistic_interval_with_its_real
     trials, held = 4000, 0
     for _ in range(trials):  # ratios from a skewed distribution whose median is 1: exp(N(0, 1)) ** 3
         times = tuple(math.exp(3 * draw.gauss(0, 1)) for _ in range(n))
-        span = gates.timing_interval(perf(times=times), perf(times=(1.0,) * n))
+        span = gates.timing_interval(perf(step_times_s=times), perf(rounds=n))
         held += span.low <= 1 <= span.high
     assert span.coverage == pytest.approx(coverage) and span.rounds == n
     assert abs(held / trials - coverage) < 4 * math.sqrt(coverage * (1 - coverage) / trials)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_too_few_timed_rounds_give_no_interval_and_no_speedup_counts(n):
+def test_too_few_timed_rounds_give_no_interval_and_no_speedup_counts(n, gpu_performance):
     """Below MIN_TIMING_ROUNDS even [min, max] holds the median with less than 90 % (n = 2: 50 %, 3: 75 %, 4:
     87.5 %): timing_interval refuses in one sentence, the spread is infinite, and decide counts no speedup (a
     memory gain still counts)."""
+    perf = gpu_performance  # conftest's factory: a GPU run's Performance, 7 timed rounds unless given
     assert gates.order_statistic_rank(n) is None and n < gates.MIN_TIMING_ROUNDS
-    ref, fast = perf(times=(1.0,) * n), perf(median=0.5, times=(0.5,) * n)
+    ref, fast = perf(rounds=n), perf(median=0.5, rounds=n)
     with pytest.raises(ValueError, match=f"{n} timed rounds give no interval .* at least 5 rounds"):
         gates.timing_interval(fast, ref)
     passed = [gates.Verdict("gradients", True, {}, "")]
     assert gates.timing_spread(fast, ref) == float("inf")
     outcome, reason = gates.decide(passed, fast, ref)
     assert outcome == "no-gain" and f"{n} rounds, fewer than 5: no 90% interval, no speedup counts" in reason
-    assert gates.decide(passed, perf(median=0.5, peak=850, times=(0.5,) * n), ref)[0] == "accept"
+    assert gates.decide(passed, perf(median=0.5, allocated=850, rounds=n), ref)[0] == "accept"
     assert gates.order_statistic_rank(5) == (1, pytest.approx(1 - 2 / 32))
 
 
-def test_decide_judges_the_allocated_peak_and_reports_the_reserved_one_beside_it():
+def test_decide_judges_the_allocated_peak_and_reports_the_reserved_one_beside_it(gpu_performance):
     """A peak is higher where either the allocated or the reserved one rose (an OOM is a failed reservation):
     checkpointing's allocated bytes a little lower than the reference's while, from an emptied cache, it reserves
     more, is a gain that costs memory (tune), not an accept; within the slack the reserved rise is no rise. A rise
     of the allocated peak itself past the slack tunes it too."""
+    perf = gpu_performance  # conftest's factory: a GPU run's Performance, 7 timed rounds unless given
     passed = [gates.Verdict(g, True, {}, "") for g in gates.GATES[:4]]
-    ref = perf(peak=10_000, reserved=10_400, per_row=100)
-    fragmented = perf(median=1.2, peak=9_500, reserved=11_000, per_row=40)  # reserved +5.8 %, allocated -5 %
+    ref = perf(allocated=10_000, reserved=10_400)
+    # reserved +5.8 %, allocated -5 %
+    fragmented = perf(median=1.2, allocated=9_500, reserved=11_000, per_row=40)
     outcome, reason = gates.decide(passed, fragmented, ref)
     assert outcome == "tune" and "reserved +5.8%" in reason and "neither peak higher" in reason
     assert "allocated peak -5.0%" in reason
-    assert gates.decide(passed, perf(median=1.2, peak=9_500, reserved=10_500, per_row=40), ref)[0] == "accept"
+    less_reserved = perf(median=1.2, allocated=9_500, reserved=10_500, per_row=40)
+    assert gates.decide(passed, less_reserved, ref)[0] == "accept"
     assert gates.decide_measured(0.0, 0.0, 1.0, reserved_change=0.0101) == "costs-memory"
     assert gates.decide_measured(0.0, 0.0, 1.0, reserved_change=0.01) == "no-gain"
-    assert gates.decide(passed, perf(median=1.2, peak=10_300, reserved=10_400, per_row=40), ref)[0] == "tune"
+    more_allocated = perf(median=1.2, allocated=10_300, reserved=10_400, per_row=40)
+    assert gates.decide(passed, more_allocated, ref)[0] == "tune"
 
 
-def test_rule_inputs_are_what_decide_judges_and_the_ledger_predicts_them_for_the_gpu_shape():
+def test_rule_inputs_are_what_decide_judges_and_the_ledger_predicts_them_for_the_gpu_shape(gpu_performance):
+    perf = gpu_performance  # conftest's factory: a GPU run's Performance, 7 timed rounds unless given
     measured = gates.rule_inputs(
-        perf(median=1.2, peak=9_500, reserved=11_000, per_row=40), perf(peak=10_000, reserved=10_400)
+        perf(median=1.2, allocated=9_500, reserved=11_000, per_row=40),
+        perf(allocated=10_000, reserved=10_400),
     )
     assert measured.update_drop == pytest.approx(0.05) and measured.capacity_gain == pytest.approx(0.6)
     assert measured.time_ratio == pytest.approx(1.2) and measured.reserved_change == pytest.approx(
@@ -1578,7 +1588,7 @@ def test_the_rule_table_by_hand_agrees_with_decide_on_performance_records_at_eve
     import statistics
 
     rule, passed = gates.RULE, [gates.Verdict("gradients", True, {}, "")]
-    ref = gpu_performance(1.0, allocated=1000, per_row=100, step_times_s=(1.0,) * 7)
+    ref = gpu_performance(1.0, allocated=1000, per_row=100)
     scatter = (1.0, 0.6, 1.4, 1.0, 1.4, 0.6, 1.0)  # the candidate's rounds spread around its median
     rows = set()
     for allocated, reserved, per_row, median, spread in itertools.product(

@@ -90,6 +90,27 @@ class Report:
     def verdict(self, name: str) -> Verdict | None:
         return next((v for v in self.verdicts if v.name == name), None)
 
+    def off_the_clock(self, reference_stepped: list[bool]) -> str:
+        """Gate 3's scheduler evidence in words: the scheduler's steps against the effective updates, and where the
+        learning rate first left the update clock, as an effective update and as an attempt of the reference's run
+        (`reference_stepped`: whether each attempt stepped; attempts count the skipped ones too)."""
+        if self.verdict("updates") is None:
+            raise ValueError(
+                f"{self.candidate.name} never reached the updates gate: no scheduler evidence to tell"
+            )
+        e = self.verdict("updates").evidence
+        told = (
+            f"scheduler moved {e['scheduler_steps']} times for {e['effective_updates']} effective updates; "
+        )
+        first = e["first_lr_mismatch"]
+        if first is None:
+            return told + "every learning rate on the clock"
+        attempt = [a for a, stepped in enumerate(reference_stepped) if stepped][first]
+        return told + (
+            f"first learning rate off the clock at effective update {first} (counted from 0), "
+            f"which is attempt {attempt} on the figure's axis (attempts count the skipped one too)"
+        )
+
     def lines(self) -> list[str]:
         """The report as printed lines: one per stage, ✓ passed, ✗ failed, — measured (performance), · not run
         (an earlier gate failed), ○ not measured (a check of the gates only); FP16: the loss scale's start."""
